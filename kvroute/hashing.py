@@ -1,0 +1,285 @@
+"""Chained block hashing: the contract router and replicas must never drift on (DESIGN.md §2).
+
+Only full blocks of ``block_size`` tokens are hashed::
+
+    h_-1 = NONE_HASH = H(CBOR_canonical(seed))
+    h_i  = H(CBOR_canonical((h_{i-1}, tuple(tokens[i*B:(i+1)*B]), extra_i)))
+
+with ``H`` SHA-256 (``sha256_cbor``, vLLM's default) or XXH3-128 (``xxhash_cbor``). ``extra_i`` is a
+tuple of tagged keys or ``None``: ``("lora", name, path)`` on every block of a LoRA request,
+``("mm", identifier, offset - block_start)`` per multimodal item overlapping the block, and
+``("cache_salt", salt)`` on block 0 only, in that order. The chain carries full digests; the index
+key and event value is the digest's last 8 bytes as a big-endian unsigned 64-bit int.
+
+Fast path: instead of building a Python tuple per block and running ``cbor2.dumps`` on it, the CBOR
+encoding of every token of the prompt is produced in one vectorised numpy pass, and each block's
+hash input is assembled as ``0x83 | bytes-header | parent | array-header | token bytes | extra``.
+The bytes are identical to ``cbor2.dumps((parent, tokens, extra), canonical=True)`` (tests check it
+with hypothesis); measured in ``bench/kv_manager.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import cbor2
+import numpy as np
+import xxhash
+
+HashAlgorithm = Literal["sha256_cbor", "xxhash_cbor"]
+HASH_ALGORITHMS: tuple[str, ...] = ("sha256_cbor", "xxhash_cbor")
+DEFAULT_SEED = "vllm-none-hash"
+DEFAULT_BLOCK_SIZE = 16
+
+ExtraKeys = tuple[tuple, ...] | None  # the extra of one block, as hashed
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS = {"sha256_cbor": _sha256, "xxhash_cbor": xxhash.xxh3_128_digest}
+
+
+def to_event_int(digest: bytes) -> int:
+    """The 64-bit index key / event value of a block digest: its last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """CBOR initial byte(s) for major type ``major`` with argument ``n`` (shortest form, RFC 8949 §3)."""
+    m = major << 5
+    if n < 24:
+        return bytes((m | n,))
+    if n < 0x100:
+        return bytes((m | 24, n))
+    if n < 0x10000:
+        return bytes((m | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((m | 26,)) + n.to_bytes(4, "big")
+    return bytes((m | 27,)) + n.to_bytes(8, "big")
+
+
+# Per size class c (0: n < 24, 1: < 2**8, 2: < 2**16, 3: < 2**32): the CBOR length of an unsigned
+# int, and its head byte shifted to sit right before the value's significant bytes in a big-endian
+# uint64, so that the int's CBOR encoding is exactly the last SIZE[c] bytes of that 8-byte row.
+_CLASS_SIZE = np.array([1, 2, 3, 5], dtype=np.int8)
+_CLASS_HEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
+# The last SIZE[c] bytes of a row, as a bit pattern for np.unpackbits (MSB = first byte).
+_CLASS_SUFFIX_BITS = np.array([(1 << int(s)) - 1 for s in _CLASS_SIZE], dtype=np.uint8)
+_NULL = b"\xf6"  # CBOR null: the extra of a block without extra keys
+
+
+def _as_uint_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as an unsigned numpy array (no copy for arrays); ValueError on negatives/non-ints."""
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids.ravel()
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"token_ids: expected integers, got dtype {arr.dtype}")
+        if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise ValueError(f"token_ids: negative token id {int(arr.min())}")
+        return arr.astype(np.uint64, copy=False)
+    try:
+        # array('I') converts a list ~2.5x faster than np.asarray(dtype=int64); 32-bit ids only.
+        return np.frombuffer(array("I", token_ids), dtype=np.uint32)
+    except OverflowError:
+        pass
+    except TypeError as e:
+        raise ValueError(f"token_ids: expected integers ({e})") from e
+    try:
+        return np.asarray(token_ids, dtype=np.uint64)
+    except OverflowError as e:
+        raise ValueError("token_ids: ids must be integers in [0, 2**64)") from e
+
+
+def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tuple[bytes, list[int]]:
+    """CBOR-encode the full blocks of a prompt, each as ``array-head | tokens | null``.
+
+    Block ``i``'s hash input is then ``0x83 | bytes-head | parent | buf[bounds[i]:bounds[i+1]]``,
+    byte-identical to ``cbor2.dumps((parent, tuple(block), None), canonical=True)``. Every token below
+    2**32 becomes a big-endian uint64 row ``value | head << 8 * (size - 1)`` whose last ``size``
+    bytes are its CBOR encoding (RFC 8949 §3, shortest form); the array head and the null are rows
+    too, and one boolean compaction concatenates all suffixes. Ids of 2**32 and above (never a real
+    vocabulary) take ``cbor2``. Measured with 8k tokens: ~0.1 ms against ~0.25 ms for ``cbor2.dumps``
+    of the same ints (bench/kv_manager.py).
+
+    Args:
+        token_ids: ints in [0, 2**64); a trailing partial block is ignored.
+        block_size: tokens per block.
+
+    Returns:
+        ``(buf, bounds)`` with ``len(bounds) == num_full_blocks + 1``.
+
+    Raises:
+        ValueError: a token id is negative or not an integer.
+    """
+    num_blocks = len(token_ids) // block_size
+    n = _as_uint_array(token_ids[: num_blocks * block_size])
+    array_head = _cbor_head(4, block_size)
+    if num_blocks == 0:
+        return b"", [0]
+    if int(n.max()) >= 0x100000000:
+        blocks = [
+            array_head + b"".join(cbor2.dumps(int(t)) for t in blk) + _NULL
+            for blk in n.reshape(num_blocks, block_size).tolist()
+        ]
+        return b"".join(blocks), [0, *np.cumsum([len(b) for b in blocks]).tolist()]
+    n = n.astype(np.uint64, copy=False)
+    cls = (n >= 24).astype(np.int8)
+    cls += n >= 0x100
+    cls += n >= 0x10000
+    rows = np.empty((num_blocks, block_size + 2), dtype=np.uint64)
+    rows[:, 0] = int.from_bytes(array_head, "big")
+    rows[:, 1:-1] = (n | _CLASS_HEAD.take(cls)).reshape(num_blocks, block_size)
+    rows[:, -1] = _NULL[0]
+    bits = np.empty((num_blocks, block_size + 2), dtype=np.uint8)
+    bits[:, 0] = (1 << len(array_head)) - 1
+    bits[:, 1:-1] = _CLASS_SUFFIX_BITS.take(cls).reshape(num_blocks, block_size)
+    bits[:, -1] = 1
+    keep = np.unpackbits(bits.ravel()).view(bool)
+    # np.compress is ~4x faster than boolean indexing on this irregular mask (measured).
+    buf = np.compress(keep, rows.astype(">u8").view(np.uint8)).tobytes()
+    block_bytes = _CLASS_SIZE.take(cls).reshape(num_blocks, block_size).sum(axis=1, dtype=np.int64)
+    block_bytes += len(array_head) + 1
+    return buf, [0, *np.cumsum(block_bytes).tolist()]
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """A multimodal placeholder in the prompt: ``length`` tokens starting at ``offset``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockHashKeys:
+    """What besides the tokens goes into a request's block hashes (the tagged extra keys)."""
+
+    lora: tuple[str, str] | None = None  # (name, path)
+    mm_items: tuple[MultiModalItem, ...] = field(default_factory=tuple)
+    cache_salt: str | None = None
+
+    def extra_for_block(self, block_idx: int, block_size: int) -> ExtraKeys:
+        """The ``extra_i`` of block ``block_idx``: a tuple of tagged keys, or None when empty."""
+        keys: list[tuple] = []
+        if self.lora is not None:
+            keys.append(("lora", self.lora[0], self.lora[1]))
+        start, end = block_idx * block_size, (block_idx + 1) * block_size
+        for item in self.mm_items:
+            if item.offset < end and item.offset + item.length > start:
+                keys.append(("mm", item.identifier, item.offset - start))
+        if block_idx == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) if keys else None
+
+    @property
+    def empty(self) -> bool:
+        return self.lora is None and not self.mm_items and not self.cache_salt
+
+
+NO_KEYS = BlockHashKeys()
+
+
+class BlockHasher:
+    """Computes chained block hashes for one (algorithm, seed, block_size) triple.
+
+    The triple is part of every replica heartbeat; a router refuses replicas whose triple differs
+    (``identity``). Digests are ``bytes`` (32 for sha256_cbor, 16 for xxhash_cbor).
+
+    Raises:
+        ValueError: unknown algorithm, empty seed or block_size < 1.
+    """
+
+    def __init__(self, algorithm: str = "sha256_cbor", seed: str = DEFAULT_SEED, block_size: int = DEFAULT_BLOCK_SIZE):
+        if algorithm not in _DIGESTS:
+            raise ValueError(f"hash_algorithm: unknown {algorithm!r}; expected one of {HASH_ALGORITHMS}")
+        if not isinstance(seed, str) or not seed:
+            raise ValueError("hash_seed: must be a non-empty string")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        self.algorithm = algorithm
+        self.seed = seed
+        self.block_size = block_size
+        self._digest = _DIGESTS[algorithm]
+        self.none_hash: bytes = self._digest(cbor2.dumps(seed, canonical=True))
+        # 3-element array head + the byte-string head of a parent digest.
+        self._tuple_head = b"\x83" + _cbor_head(2, len(self.none_hash))
+
+    @property
+    def seed_digest(self) -> str:
+        """Hex of NONE_HASH's first 8 bytes: identifies the seed without revealing it."""
+        return self.none_hash[:8].hex()
+
+    @property
+    def identity(self) -> tuple[str, str, int]:
+        """(algorithm, seed_digest, block_size): equal triples produce equal chains."""
+        return (self.algorithm, self.seed_digest, self.block_size)
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra: ExtraKeys = None) -> bytes:
+        """One block's digest, straight from the definition (``cbor2`` + digest). Not the hot path."""
+        parent = self.none_hash if parent is None else parent
+        return self._digest(cbor2.dumps((parent, tuple(int(t) for t in tokens), extra), canonical=True))
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: BlockHashKeys = NO_KEYS,
+        *,
+        parent: bytes | None = None,
+        start_block: int = 0,
+    ) -> list[bytes]:
+        """Digests of the full blocks of ``token_ids`` (the fast path).
+
+        Args:
+            token_ids: the tokens of blocks ``start_block, start_block + 1, ...``; a trailing
+                partial block is ignored. Ints in [0, 2**64).
+            keys: the request's extra keys (LoRA, multimodal items, cache_salt).
+            parent: digest of block ``start_block - 1``; None means NONE_HASH (requires
+                ``start_block == 0``).
+            start_block: index of the first block in the request, for the extra keys.
+
+        Returns:
+            ``len(token_ids) // block_size`` digests, in chain order.
+
+        Raises:
+            ValueError: a negative token id, or ``parent`` missing for ``start_block > 0``.
+        """
+        B = self.block_size
+        num_blocks = len(token_ids) // B
+        if num_blocks == 0:
+            return []
+        if parent is None:
+            if start_block != 0:
+                raise ValueError("parent: required when start_block > 0")
+            parent = self.none_hash
+        buf, bounds = encode_blocks(token_ids, B)
+        digest, pre = self._digest, self._tuple_head
+        out: list[bytes] = []
+        if keys.empty and self.algorithm == "sha256_cbor":
+            # Inlined hashlib call: a Python-level digest wrapper costs ~15% of this loop.
+            sha256 = hashlib.sha256
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                parent = sha256(pre + parent + buf[a:b]).digest()
+                out.append(parent)
+            return out
+        if keys.empty:
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                parent = digest(pre + parent + buf[a:b])
+                out.append(parent)
+            return out
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            extra = keys.extra_for_block(start_block + i, B)
+            tail = _NULL if extra is None else cbor2.dumps(extra, canonical=True)
+            parent = digest(pre + parent + buf[a : b - 1] + tail)
+            out.append(parent)
+        return out
+
+    def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
+        """The 64-bit keys of the full blocks of a prompt, as the router indexes them."""
+        return [to_event_int(d) for d in self.hash_blocks(token_ids, keys)]
