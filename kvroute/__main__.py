@@ -1,0 +1,5 @@
+import sys
+
+from kvroute.cli import main
+
+sys.exit(main())
