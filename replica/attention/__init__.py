@@ -1,0 +1,36 @@
+"""Paged attention: the per-step metadata, the KV cache layout, and the backends that use them.
+
+Consumes: q/k/v of one layer for a flattened batch of tokens, that layer's cache
+``(2, num_blocks, block_size, num_kv_heads, head_dim)``, and an ``AttentionMetadata`` built once
+per step by ``build_attention_metadata`` (DESIGN.md §3.2).
+Guarantees: every backend writes exactly the slots of ``slot_mapping`` that are not -1, and
+returns causal attention of each request's query tokens (its last ``query_len`` positions) over
+its first ``seq_len`` positions; padded rows come back as zeros. Backends: ``torch`` (CPU and CUDA,
+the reference) and ``flash_attn`` (CUDA, imported lazily); ``select_backend`` picks one.
+"""
+
+from replica.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
+from replica.attention.flash_attn_backend import FlashAttnBackend, flash_attn_available
+from replica.attention.kv_cache import (
+    allocate_kv_caches,
+    kv_cache_block_bytes,
+    kv_cache_shape,
+    write_kv_cache,
+)
+from replica.attention.metadata import AttentionMetadata, build_attention_metadata
+from replica.attention.torch_backend import TorchAttentionBackend
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "FlashAttnBackend",
+    "TorchAttentionBackend",
+    "allocate_kv_caches",
+    "build_attention_metadata",
+    "flash_attn_available",
+    "kv_cache_block_bytes",
+    "kv_cache_shape",
+    "select_backend",
+    "write_kv_cache",
+]

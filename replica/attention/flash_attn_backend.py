@@ -1,0 +1,124 @@
+"""Paged attention with FlashAttention's varlen kernel reading the KV cache through the block table.
+
+Two builds are understood, imported lazily (never at module import, so CPU-only installs work):
+
+- ``vllm_flash_attn`` (vLLM's fork): ``flash_attn_varlen_func(..., seqused_k=seq_lens,
+  block_table=...)``; block_size a multiple of 16.
+- ``flash_attn`` (upstream 2.x): same call with ``cu_seqlens_k`` (prefix sums of seq_lens) in place
+  of ``seqused_k``; its paged path needs block_size a multiple of 256.
+
+Both take the cache as K [num_blocks, B, Hkv, D] and V alike — our layout's ``kv_cache[0]`` /
+``kv_cache[1]`` — and align the causal mask bottom-right, as our metadata means it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replica.attention.kv_cache import write_kv_cache
+from replica.attention.metadata import AttentionMetadata
+
+# (module, flavour, block size multiple), in order of preference.
+_CANDIDATES: tuple[tuple[str, str, int], ...] = (
+    ("vllm_flash_attn", "seqused_k", 16),
+    ("vllm.vllm_flash_attn", "seqused_k", 16),
+    ("flash_attn", "cu_seqlens_k", 256),
+)
+
+
+def _find_flash_attn() -> tuple[Callable[..., Any], str, int] | None:
+    for module_name, flavour, multiple in _CANDIDATES:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # ImportError, or a build whose CUDA libraries don't load
+            continue
+        func = getattr(module, "flash_attn_varlen_func", None)
+        if func is not None:
+            return func, flavour, multiple
+    return None
+
+
+def flash_attn_available() -> bool:
+    """True when CUDA is usable and a flash-attention build with ``flash_attn_varlen_func`` imports."""
+    return torch.cuda.is_available() and _find_flash_attn() is not None
+
+
+class FlashAttnBackend:
+    """Paged attention through ``flash_attn_varlen_func`` with ``block_table``.
+
+    CUDA only, fp16/bf16 only (the kernel's constraint). Raises ``ImportError`` at construction
+    when no build is importable, ``ValueError`` at ``forward`` for an unsupported block size.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        found = _find_flash_attn()
+        if found is None:
+            raise ImportError(
+                "no flash-attention build is importable (tried "
+                + ", ".join(m for m, _, _ in _CANDIDATES)
+                + "); install the 'gpu' extra or use the 'torch' attention backend"
+            )
+        self._varlen, self._flavour, self._block_multiple = found
+
+    def supports_block_size(self, block_size: int) -> bool:
+        """Whether the installed kernel accepts a paged cache with this block size."""
+        return block_size % self._block_multiple == 0
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D], kv_cache (2, num_blocks, B, Hkv, D) on CUDA in
+        fp16/bf16 -> [T, H, D]; padded rows (past ``num_actual_tokens``) are zeros. Writes the
+        actual tokens' K/V into the cache first."""
+        block_size = kv_cache.shape[2]
+        if not self.supports_block_size(block_size):
+            raise ValueError(
+                f"this flash-attention build needs block_size to be a multiple of {self._block_multiple}, "
+                f"got {block_size}; use the 'torch' attention backend"
+            )
+        n = metadata.num_actual_tokens
+        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        common = dict(
+            max_seqlen_q=metadata.max_query_len,
+            max_seqlen_k=metadata.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=metadata.block_table,
+        )
+        if self._flavour == "seqused_k":
+            o = self._varlen(
+                q=query[:n],
+                k=kv_cache[0],
+                v=kv_cache[1],
+                cu_seqlens_q=metadata.query_start_loc,
+                seqused_k=metadata.seq_lens,
+                **common,
+            )
+        else:
+            cu_seqlens_k = torch.zeros(metadata.num_reqs + 1, dtype=torch.int32, device=query.device)
+            cu_seqlens_k[1:] = torch.cumsum(metadata.seq_lens, dim=0, dtype=torch.int32)
+            o = self._varlen(
+                query[:n],
+                kv_cache[0],
+                kv_cache[1],
+                cu_seqlens_q=metadata.query_start_loc,
+                cu_seqlens_k=cu_seqlens_k,
+                **common,
+            )
+        if n == query.shape[0]:
+            return o
+        out = torch.zeros_like(query)
+        out[:n] = o
+        return out

@@ -1,0 +1,301 @@
+"""LLMEngine: validation, scheduling, the forward pass, sampling and stopping, step by step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvroute.events import KVCacheEvent
+from kvroute.hashing import BlockHasher, BlockHashKeys
+from replica.attention import kv_cache_block_bytes
+from replica.engine.config import EngineConfig, compute_num_blocks
+from replica.engine.detokenizer import IncrementalDetokenizer
+from replica.engine.errors import InvalidRequestError
+from replica.engine.params import FinishReason, SamplingParams, validate_request
+from replica.engine.request import Request, RequestStatus
+from replica.engine.runner import ModelRunner
+from replica.engine.sampling import Sampler, SamplingState
+from replica.engine.scheduler import Scheduler, SchedulerOutput
+from replica.engine.stop import check_stop
+from replica.kv import KVCacheManager
+from replica.model.loader import load_model_folder
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress from one step (a stream delta).
+
+    ``new_token_ids`` / ``text`` are what this step added; on the last output ``finished`` is True
+    with ``finish_reason`` and ``matched_stop`` (a stop string, a stop/EOS token id, or None).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class StepStats:
+    """What the last step did, in tokens (the engine's step stats)."""
+
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0  # scheduled tokens of requests still in their prompt
+    num_decode_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # taken from the prefix cache by requests admitted this step
+    num_preempted: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+@dataclass
+class _Live:
+    request: Request
+    sampling: SamplingState
+    detok: IncrementalDetokenizer
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """A replica's engine: ``add_request`` / ``abort_request`` / ``step``.
+
+    Not thread-safe: one thread drives it (``AsyncLLMEngine`` runs it off the event loop).
+    ``make_request`` only validates and is safe to call from any thread.
+
+    Raises (constructor):
+        ModelLoadError: the model folder cannot be loaded (message names the file).
+        ValueError: a setting is inconsistent (message names it).
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        self.model_dir = Path(model_dir)
+        loaded = load_model_folder(model_dir, device, dtype, attn_backend=config.attn_backend, block_size=config.block_size)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        mcfg = self.model.config
+        self.vocab_size = mcfg.vocab_size
+        eos = self.tokenizer.eos_token_ids or tuple(mcfg.eos_token_ids or ())
+        self.eos_token_id: int | None = eos[0] if eos else None
+        self.extra_eos_token_ids: tuple[int, ...] = tuple(eos[1:])
+        B = config.block_size
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        block_bytes = kv_cache_block_bytes(B, mcfg.num_key_value_heads, mcfg.head_dim, dtype, mcfg.num_hidden_layers)
+        self.num_blocks = compute_num_blocks(config, device, block_bytes, weight_bytes)
+        kv_capacity_tokens = (self.num_blocks - 1) * B
+        max_model_len = config.max_model_len or mcfg.max_model_len
+        if config.max_model_len is None:
+            # Like vLLM, a sequence of max_model_len tokens must fit in the KV cache on its own;
+            # unlike vLLM we shrink the default instead of failing, and say so in model info.
+            max_model_len = min(max_model_len, kv_capacity_tokens)
+        elif max_model_len > kv_capacity_tokens:
+            raise ValueError(
+                f"max_model_len: {max_model_len} tokens do not fit in the KV cache ({self.num_blocks - 1} blocks of"
+                f" {B} = {kv_capacity_tokens} tokens); raise the KV budget or lower max_model_len"
+            )
+        self.max_model_len = max_model_len
+        self.hasher = BlockHasher(config.hash_algorithm, config.hash_seed, B)
+        self.runner = ModelRunner(self.model, self.num_blocks, B, device, dtype, config.cpu_offload_blocks)
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            B,
+            self.hasher,
+            enable_caching=config.enable_prefix_caching,
+            max_model_len=max_model_len,
+            vocab_size=self.vocab_size,
+            free_order=config.free_order,
+            cpu_num_blocks=config.cpu_offload_blocks,
+            copy_fn=self.runner.copy_block if config.cpu_offload_blocks else None,
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.sampler = Sampler(self.eos_token_id, config.seed)
+        self.device = device
+        self.dtype = dtype
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self.last_step = StepStats()
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text prompt (the tokenizer's BOS rule applies)."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and build a request without touching the engine state (thread-safe).
+
+        Raises:
+            InvalidRequestError: naming the field (prompt, prompt.token_ids, max_tokens, ...).
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must contain at least one token")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+        max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + self.extra_eos_token_ids))
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", "must be a string")
+        return Request(
+            request_id=request_id or f"req-{time.monotonic_ns()}-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            hash_keys=BlockHashKeys(cache_salt=cache_salt or None),
+        )
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | Request,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request (validated first; nothing is allocated on error).
+
+        Raises:
+            InvalidRequestError: a bad field, or ``request_id`` already in use.
+        """
+        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, cache_salt)
+        if req.request_id in self._live:
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
+        detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.sampling_params, eos_token_id=self.eos_token_id
+        )
+        self._live[req.request_id] = _Live(req, SamplingState(req.sampling_params), detok)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. Returns its final output, or None if it is unknown
+        or already finished (idempotent)."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        req = live.request
+        self.scheduler.finish_request(req)
+        req.finish_reason = FinishReason.ABORT
+        return self._output(live, [], "", finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, detokenize, check stops; free finished requests.
+
+        Returns one output per request that produced a token or finished this step.
+        """
+        sched = self.scheduler.schedule()
+        self._record(sched)
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched)
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        if not sampling:
+            return []
+        lives = [self._live[r.request_id] for r in sampling]
+        tokens = self.sampler.sample(logits, [lv.sampling for lv in lives], [len(r.output_token_ids) for r in sampling])
+        outputs = []
+        for live, tok in zip(lives, tokens.tolist(), strict=True):
+            req = live.request
+            req.append_output_token(tok)
+            text = live.detok.update([tok])
+            finished, reason, matched = check_stop(
+                req.output_token_ids,
+                req.sampling_params,
+                eos_token_id=self.eos_token_id,
+                max_tokens=req.max_tokens,
+                matched_stop_str=live.detok.matched_stop,
+            )
+            if finished:
+                text += live.detok.finish()
+                req.finish_reason, req.matched_stop = reason, matched
+                self.scheduler.finish_request(req)
+                del self._live[req.request_id]
+            outputs.append(self._output(live, [tok], text, finished))
+        return outputs
+
+    def _record(self, sched: SchedulerOutput) -> None:
+        st = StepStats(num_prefix_hit_tokens=sched.num_prefix_hit_tokens, num_preempted=len(sched.preempted))
+        for s in sched.scheduled:
+            st.num_scheduled_tokens += s.num_scheduled_tokens
+            if s.start < s.request.num_prompt_tokens:
+                st.num_prefill_tokens += s.num_scheduled_tokens
+            else:
+                st.num_decode_tokens += s.num_scheduled_tokens
+        st.num_running, st.num_waiting = self.num_running, self.num_waiting
+        self.last_step = st
+        self.num_steps += 1
+
+    def _output(self, live: _Live, new_ids: list[int], text: str, finished: bool) -> RequestOutput:
+        req = live.request
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text=text,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            matched_stop=req.matched_stop if finished else None,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=len(req.output_token_ids),
+            cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    # -- conveniences -------------------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (a step's removals before its stores)."""
+        return self.kv.take_events()
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Request]:
+        """Run prompts to completion (tests, benchmarks). Returns the finished requests in order."""
+        plist = params if isinstance(params, Sequence) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished_requests():
+            self.step()
+        return reqs
+
+    @property
+    def usage(self) -> float:
+        return self.kv.usage
+
+    def is_idle(self) -> bool:
+        return not self._live and self.scheduler.num_unfinished == 0
+
+
+__all__ = ["LLMEngine", "RequestOutput", "RequestStatus", "StepStats"]

@@ -1,0 +1,77 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and the logits to sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from replica.attention import allocate_kv_caches, build_attention_metadata
+from replica.engine.scheduler import SchedulerOutput
+from replica.model.llama import LlamaModel
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache (one tensor per layer), plus the optional CPU tier.
+
+    ``execute`` builds the step's flattened input (each scheduled request's tokens
+    ``[start, start + n)``), its attention metadata, runs the model and returns the logits of the
+    last position of every request whose chunk reaches the end of its tokens.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_offload_blocks: int = 0,
+    ):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = allocate_kv_caches(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+        self.cpu_caches = (
+            allocate_kv_caches(
+                cfg.num_hidden_layers, cpu_offload_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                "cpu",
+            )
+            if cpu_offload_blocks
+            else []
+        )
+        self.num_copies = 0
+
+    def copy_block(self, direction: str, src: int, dst: int) -> None:
+        """The KV manager's copy callback: ``to_cpu`` GPU block src -> CPU slot dst, ``to_gpu`` back."""
+        for gpu, cpu in zip(self.kv_caches, self.cpu_caches, strict=True):
+            if direction == "to_cpu":
+                cpu[:, dst].copy_(gpu[:, src])
+            elif direction == "to_gpu":
+                gpu[:, dst].copy_(cpu[:, src])
+            else:
+                raise ValueError(f"direction: expected to_cpu or to_gpu, got {direction!r}")
+        self.num_copies += 1
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run one step. Returns float32 logits [num_sampling_requests, vocab] in the order of
+        ``[s for s in sched.scheduled if s.samples]``."""
+        scheduled = sched.scheduled
+        ids = np.concatenate(
+            [np.asarray(s.request.all_token_ids[s.start : s.start + s.num_scheduled_tokens]) for s in scheduled]
+        )
+        query_lens = [s.num_scheduled_tokens for s in scheduled]
+        seq_lens = [s.start + s.num_scheduled_tokens for s in scheduled]
+        meta, positions = build_attention_metadata(
+            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, device=self.device
+        )
+        input_ids = torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        last = np.cumsum(query_lens) - 1
+        rows = [int(last[i]) for i, s in enumerate(scheduled) if s.samples]
+        if not rows:
+            return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

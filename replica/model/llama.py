@@ -1,0 +1,325 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flattened batch of tokens and a paged KV
+cache.
+
+Architecture (Touvron et al. 2023, "LLaMA"; Qwen2 adds q/k/v bias): token embedding, then per
+layer ``h = x + o_proj(attn(rope(q), rope(k), v))`` over ``input_layernorm(x)`` and
+``out = h + down(silu(gate(y)) * up(y))`` over ``y = post_attention_layernorm(h)``; a final RMSNorm
+and the LM head. RoPE (Su et al. 2021) in the rotate-half convention of Hugging Face's Llama:
+the head dimension is split in two halves ``(x1, x2)`` rotated as ``(x1 cos - x2 sin, x2 cos + x1
+sin)``. Parameter names are Hugging Face's, so a ``model.safetensors`` state dict loads as is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.attention.backend import AttentionBackend
+from replica.attention.metadata import AttentionMetadata
+from replica.attention.torch_backend import TorchAttentionBackend
+from replica.model.config import ModelConfig, RopeScaling
+from replica.model.errors import ModelLoadError
+
+_MAX_NAMES_IN_ERROR = 12
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies float32 [head_dim / 2] (radians per position) and the cos/sin scale.
+
+    ``inv_freq[i] = theta ** (-2i / head_dim)`` (RoFormer), then per ``scaling.rope_type``:
+    ``linear`` divides by ``factor``; ``llama3`` (Llama 3.1) keeps wavelengths shorter than
+    ``orig / high_freq_factor``, divides those longer than ``orig / low_freq_factor`` by ``factor``,
+    and interpolates linearly in ``orig / wavelength`` between; ``yarn`` (arXiv:2309.00071 §3)
+    blends interpolated and extrapolated frequencies with a linear ramp over the dimensions whose
+    rotation count over ``orig`` positions lies between ``beta_slow`` and ``beta_fast``, and scales
+    cos/sin by ``attention_factor`` (default ``0.1 ln(factor) + 1``). Computed on the CPU in float32.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor = scaling.factor
+    if scaling.rope_type == "linear":
+        return inv_freq / factor, 1.0
+    orig = scaling.original_max_position_embeddings
+    assert orig is not None  # the config parser guarantees it for llama3 and yarn
+    if scaling.rope_type == "llama3":
+        assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+        return torch.where(medium, blended, scaled), 1.0
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling, orig)
+    raise ModelLoadError(f"unsupported rope_type {scaling.rope_type!r}")
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling, orig: int
+) -> tuple[torch.Tensor, float]:
+    factor = scaling.factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.attention_factor is not None:
+        attention_factor = scaling.attention_factor
+    elif scaling.mscale and scaling.mscale_all_dim:
+        attention_factor = mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+    else:
+        attention_factor = mscale(factor)
+
+    def dim_of_rotations(rotations: float) -> float:
+        # The dimension index whose wavelength fits `rotations` times into `orig` positions.
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of_rotations(scaling.beta_fast), dim_of_rotations(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of width zero would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    blended = (inv_freq / factor) * ramp + inv_freq * extrapolation_weight
+    return blended, float(attention_factor)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``,
+    computed in float32 and cast back before the weight, as Hugging Face's Llama does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> same shape and dtype."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the step's positions, computed on the fly in float32.
+
+    ``inv_freq`` is a plain float32 attribute rather than a buffer so that ``model.to(bfloat16)``
+    can't round it; it follows the positions' device lazily.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq, self.attention_scaling = rope_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [T] -> (cos, sin), each [T, 1, head_dim] in ``dtype``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, 1, head_dim] (rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention (Ainslie et al. 2023) over the paged cache of one layer."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.backend = backend
+        hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into ``kv_cache``."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, metadata, self.scaling)
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention then MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaDecoder(nn.Module):
+    """The ``model.`` prefix of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM with Hugging Face parameter names
+    (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ...,
+    ``model.norm.weight``, ``lm_head.weight``; the LM head shares the embedding when
+    ``tie_word_embeddings``).
+
+    Works on a flattened batch: ``forward`` takes every scheduled token of every request of a
+    step, their positions, one KV cache per layer, and the step's ``AttentionMetadata``.
+    Inference only (call under ``torch.inference_mode()``).
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend if attn_backend is not None else TorchAttentionBackend()
+        self.model = LlamaDecoder(config, self.attn_backend)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder on one step's tokens.
+
+        Args:
+            input_ids: int64 [T] token ids (padded rows may hold any valid id).
+            positions: int64 [T] position of each token in its sequence.
+            kv_caches: ``num_hidden_layers`` tensors ``(2, num_blocks, block_size, num_kv_heads,
+                head_dim)``, written in place at ``attn_metadata.slot_mapping``.
+            attn_metadata: the step's metadata (``replica.attention.build_attention_metadata``).
+
+        Returns:
+            Final-norm hidden states [T, hidden_size] in the model dtype.
+
+        Raises:
+            ValueError: ``kv_caches`` has the wrong number of layers.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (the rows to sample from) -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint") -> None:
+        """Take every parameter from ``(name, tensor)`` pairs, strictly, by Hugging Face name.
+
+        Tensors are used as given (convert dtype/device first); they replace the parameters
+        (``assign``), so a model built on the ``meta`` device loads without a first allocation.
+        Ignored: ``*.rotary_emb.inv_freq`` (old checkpoints store it) and ``lm_head.weight`` when
+        the embeddings are tied. Raises ``ModelLoadError`` listing missing and unexpected names and
+        mismatched shapes, naming ``source``.
+        """
+        tied = self.config.tie_word_embeddings
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as model.embed_tokens
+        state: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        bad_shapes: dict[str, str] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                continue
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+            elif tuple(tensor.shape) != tuple(param.shape):
+                bad_shapes[name] = f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})"
+            else:
+                state[name] = tensor
+        missing = sorted(n for n in params if n not in state and n not in bad_shapes)
+        problems = []
+        if missing:
+            problems.append("missing " + _names(missing))
+        if unexpected:
+            problems.append("unexpected " + _names(sorted(unexpected)))
+        if bad_shapes:
+            problems.append("wrong shape " + _names(list(bad_shapes.values())))
+        if problems:
+            raise ModelLoadError(
+                f"weights in {source} don't fit {self.config.architecture}: " + "; ".join(problems), path=source
+            )
+        self.load_state_dict(state, strict=False, assign=True)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}] ({len(names)})"

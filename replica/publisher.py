@@ -1,0 +1,451 @@
+"""KVEventPublisher: the replica's only writer to Redis (DESIGN.md §3.3, §4).
+
+    engine thread (never blocks)                         publisher thread (all network I/O)
+    ────────────────────────────                         ─────────────────────────────────
+    on_step(events, load, snapshot_fn)                   drain: XADD batches (MAXLEN ~), SET snapshots,
+      seq += 1, encode_batch ──▶ bounded buffer ──────▶         in order, one MULTI/EXEC per chunk
+      snapshot_fn() when wanted ─▶ (after the batches)    heartbeat: HSET + PEXPIRE every interval
+      buffer full: drop + count, want a snapshot          SUBSCRIBE snapshot-requests: want a snapshot
+                                                          Redis down: back off (cap 1 s), reconnect,
+                                                          heartbeat at once, want a fresh snapshot
+
+Guarantees:
+- Batch ``seq`` 1 of an epoch is ``[AllBlocksCleared(None)]`` alone, so readers drop what they knew
+  of this replica; every later engine step with events gets the next seq, published or dropped.
+  A dropped batch leaves a seq gap, and a snapshot valid at a later seq follows it.
+- A snapshot is taken on the engine thread right after a step, so its ``seq`` (the last seq
+  assigned) is exact; it is written in the same transaction as the batches before it, so a reader
+  that sees a gap finds a snapshot that covers it.
+- After an ambiguous write failure (the connection drops during EXEC) the batches are written
+  again: readers ignore entries at or below the seq they have (kvroute.cache_state does).
+- Nothing here raises into the engine; Redis being slow or down only costs dropped batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
+from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, HEARTBEAT_FIELDS, RedisLayout
+from kvroute.v1 import events_pb2
+
+log = logging.getLogger(__name__)
+
+IDENTITY_FIELDS = ("address", "model", "block_size", "hash_algorithm", "hash_seed_digest", "num_blocks")
+LOAD_FIELDS = ("free_blocks", "running", "waiting", "usage", "queued_prefill_tokens")
+
+SnapshotFn = Callable[[], Mapping[str, Sequence[int]]]
+
+_MAX_BACKOFF_S = 1.0
+_MIN_BACKOFF_S = 0.05
+_IDLE_POLL_S = 0.05  # how often an idle publisher thread checks pub/sub and the heartbeat clock
+_WRITE_CHUNK = 512  # buffered items per MULTI/EXEC when catching up after an outage
+
+
+class _Batch:
+    __slots__ = ("seq", "data", "num_events")
+
+    def __init__(self, seq: int, data: bytes, num_events: int):
+        self.seq, self.data, self.num_events = seq, data, num_events
+
+
+class _Snapshot:
+    __slots__ = ("seq", "media", "ts")
+
+    def __init__(self, seq: int, media: Mapping[str, Sequence[int]], ts: float):
+        self.seq, self.media, self.ts = seq, media, ts
+
+
+class KVEventPublisher:
+    """Publishes one replica's KV event batches, snapshots and heartbeats to Redis.
+
+    Owns the bounded buffer between the engine thread and the publisher thread and the seq
+    counter of the epoch. Invariant: seqs are assigned only on the engine thread (``start`` assigns
+    seq 1 before the engine runs), and snapshots are taken there too, so a snapshot's seq and its
+    content agree.
+
+    Args:
+        redis_url: where to publish (``redis://host:port/db``).
+        layout: the cluster's key layout.
+        replica_id: this replica's id in the cluster.
+        identity: the heartbeat's identity fields (``IDENTITY_FIELDS``), as strings or numbers.
+        epoch: default ``time.time_ns()`` when the publisher is made (one publisher per replica start).
+        heartbeat_interval: seconds between heartbeats; the key lives 3 intervals.
+        snapshot_interval: seconds between periodic snapshots.
+        buffer_size: event batches held while Redis is slow or down; more are dropped.
+        stream_maxlen: approximate MAXLEN of the event stream.
+
+    Raises:
+        ValueError: a missing identity field or a non-positive interval / size.
+
+    Stats (read from any thread): ``batches_published``, ``events_published``,
+    ``batches_dropped``, ``snapshots_written``, ``connected``, ``last_seq_written``,
+    ``reconnects``; ``last_seq`` is the last seq assigned.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        layout: RedisLayout,
+        replica_id: str,
+        identity: Mapping[str, Any],
+        *,
+        epoch: int | None = None,
+        heartbeat_interval: float = 1.0,
+        snapshot_interval: float = 30.0,
+        buffer_size: int = 10000,
+        stream_maxlen: int = 100000,
+    ):
+        missing = [f for f in IDENTITY_FIELDS if f not in identity]
+        if missing:
+            raise ValueError(f"identity: missing {', '.join(missing)}")
+        if heartbeat_interval <= 0 or snapshot_interval <= 0:
+            raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
+        if buffer_size < 1 or stream_maxlen < 1:
+            raise ValueError("buffer_size, stream_maxlen: must be >= 1")
+        self.redis_url = redis_url
+        self.layout = layout
+        self.replica_id = replica_id
+        self.identity = {f: str(identity[f]) for f in IDENTITY_FIELDS}
+        self.epoch = time.time_ns() if epoch is None else int(epoch)
+        self.heartbeat_interval = heartbeat_interval
+        self.snapshot_interval = snapshot_interval
+        self.buffer_size = buffer_size
+        self.stream_maxlen = stream_maxlen
+        self._stream = layout.events_stream(replica_id)
+        self._hb_key = layout.heartbeat_key(replica_id)
+        self._snapshot_key = layout.snapshot_key(replica_id)
+        # Rounded first: 3 * 0.2 * 1000 is 600.0000000000001, which would ceil to 601.
+        self._ttl_ms = math.ceil(round(3 * heartbeat_interval * 1000, 3))
+
+        # Engine thread state.
+        self.last_seq = 0
+        self._next_periodic_snapshot = 0.0
+        # Shared state: the buffer (under _lock) and a few flags set from any thread.
+        self._lock = threading.Lock()
+        self._buffer: collections.deque[_Batch | _Snapshot] = collections.deque()
+        self._num_buffered_batches = 0
+        self._snapshot_wanted = threading.Event()
+        self._snapshot_wanted.set()  # the first snapshot of the epoch
+        try:
+            num_blocks = int(self.identity["num_blocks"])
+        except ValueError:
+            num_blocks = 1
+        self._load: dict[str, Any] = {
+            "free_blocks": max(num_blocks - 1, 0),
+            "running": 0,
+            "waiting": 0,
+            "usage": 0.0,
+            "queued_prefill_tokens": 0,
+        }
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: redis.Redis | None = None
+        self._pubsub: redis.client.PubSub | None = None
+        self._ever_connected = False
+        self._logged_down = False
+
+        # Stats.
+        self.batches_published = 0
+        self.events_published = 0
+        self._dropped_on_step = 0  # buffer full (engine thread)
+        self._dropped_on_write = 0  # refused by Redis (publisher thread)
+        self.snapshots_written = 0
+        self.connected = False
+        self.last_seq_written = 0
+        self.reconnects = 0
+
+    # -- lifecycle (caller's thread) -------------------------------------------------------------
+    def start(self) -> None:
+        """Queue seq 1 (``AllBlocksCleared``) and start the publisher thread. Call before the engine runs.
+
+        Raises:
+            RuntimeError: started twice (make a new publisher, with a new epoch, instead).
+        """
+        if self._thread is not None:
+            raise RuntimeError("KVEventPublisher.start: already started")
+        self._enqueue_batch([AllBlocksCleared(medium=None)])
+        self._thread = threading.Thread(target=self._run, name=f"kv-publisher-{self.replica_id}", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop: flush what is buffered if Redis is up (best effort), stop heartbeating.
+
+        The heartbeat key is left to expire (3 intervals), like a crashed replica's.
+        """
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def batches_dropped(self) -> int:
+        """Batches that never reached Redis (their seqs are gaps in the stream)."""
+        return self._dropped_on_step + self._dropped_on_write
+
+    def request_snapshot(self) -> None:
+        """Ask for a snapshot after the next engine step (thread-safe; the RequestSnapshot rpc)."""
+        self._snapshot_wanted.set()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def on_engine_step(self, engine: Any) -> None:
+        """``AsyncLLMEngine`` step hook: take the step's events and load from an ``LLMEngine``."""
+        try:
+            kv = engine.kv
+            load = {
+                "free_blocks": kv.num_free_blocks,
+                "running": engine.num_running,
+                "waiting": engine.num_waiting,
+                "usage": engine.usage,
+                "queued_prefill_tokens": engine.scheduler.queued_prefill_tokens,
+            }
+            events = engine.take_kv_events()
+        except Exception:  # noqa: BLE001 - never raise into the engine
+            log.exception("kv publisher: reading the engine failed")
+            return
+        self.on_step(events, load, kv.cached_event_hashes)
+
+    def on_step(
+        self, events: Sequence[KVCacheEvent], load: Mapping[str, Any], snapshot_fn: SnapshotFn
+    ) -> None:
+        """Queue one engine step's events (if any) and, when one is wanted, a snapshot.
+
+        Runs on the engine thread after each step: no network I/O, never blocks, never raises.
+        """
+        try:
+            self._load = dict(load)
+            if events:
+                self._enqueue_batch(events)
+            now = time.monotonic()
+            if now >= self._next_periodic_snapshot:
+                self._snapshot_wanted.set()
+            # Deferred while Redis is down (the snapshot would be stale by the time it is written,
+            # and a reconnect asks for a fresh one) or the buffer is full (one per step would cost
+            # a full set copy per step for nothing).
+            if (
+                self._snapshot_wanted.is_set()
+                and self.connected
+                and self._num_buffered_batches < self.buffer_size
+            ):
+                self._snapshot_wanted.clear()
+                self._next_periodic_snapshot = now + self.snapshot_interval
+                snap = _Snapshot(self.last_seq, snapshot_fn(), time.time())
+                with self._lock:
+                    self._buffer.append(snap)
+                self._wake.set()
+        except Exception:  # noqa: BLE001 - never raise into the engine
+            log.exception("kv publisher: on_step failed")
+
+    def _enqueue_batch(self, events: Sequence[KVCacheEvent]) -> None:
+        self.last_seq += 1
+        seq = self.last_seq
+        # Only this thread adds batches, so "not full" read here stays true until the append;
+        # encoding outside the lock keeps the publisher thread from ever waiting on it.
+        full = self._num_buffered_batches >= self.buffer_size
+        if not full:
+            item = _Batch(seq, encode_batch(events, time.time()), len(events))
+            with self._lock:
+                self._buffer.append(item)
+                self._num_buffered_batches += 1
+        if full:
+            self._dropped_on_step += 1
+            self._snapshot_wanted.set()
+        else:
+            self._wake.set()
+
+    # -- the publisher thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = _MIN_BACKOFF_S
+        while not self._stop.is_set():
+            if not self.connected:
+                if self._connect():
+                    backoff = _MIN_BACKOFF_S
+                else:
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                    continue
+            try:
+                self._serve()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                log.warning(
+                    "kv publisher: lost Redis at %s (%s); buffering, will reconnect", self.redis_url, e
+                )
+                self._logged_down = True
+                self._disconnect()
+            except Exception:  # noqa: BLE001 - the thread must survive anything
+                log.exception("kv publisher: unexpected error; reconnecting")
+                self._disconnect()
+        if self.connected:  # best-effort final flush, bounded in case the engine still runs
+            deadline = time.monotonic() + 1.0
+            try:
+                while self._write_some() and time.monotonic() < deadline:
+                    pass
+            except Exception as e:  # noqa: BLE001
+                log.warning("kv publisher: final flush failed (%s)", e)
+        self._disconnect()
+
+    def _connect(self) -> bool:
+        try:
+            client = redis.Redis.from_url(
+                self.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
+            )
+            client.ping()
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(self.layout.snapshot_requests_channel())
+        except (redis.RedisError, OSError) as e:
+            if not self._logged_down:  # once per outage, not once per retry
+                log.warning(
+                    "kv publisher: Redis at %s unreachable (%s); buffering, retrying", self.redis_url, e
+                )
+                self._logged_down = True
+            return False
+        self._logged_down = False
+        self._client, self._pubsub = client, pubsub
+        if self._ever_connected:
+            self.reconnects += 1
+            log.info("kv publisher: reconnected to Redis at %s", self.redis_url)
+        self._ever_connected = True
+        self.connected = True
+        # Readers may have missed anything while we were away: a fresh snapshot lets them resync.
+        self._snapshot_wanted.set()
+        return True
+
+    def _disconnect(self) -> None:
+        self.connected = False
+        for conn in (self._pubsub, self._client):
+            if conn is not None:
+                with contextlib.suppress(Exception):  # closing a dead connection
+                    conn.close()
+        self._client = self._pubsub = None
+
+    def _serve(self) -> None:
+        """Write heartbeats, batches and snapshots until stopped or Redis fails (raises)."""
+        self._write_heartbeat()
+        next_heartbeat = time.monotonic() + self.heartbeat_interval
+        while not self._stop.is_set():
+            self._wake.clear()
+            while self._write_some():
+                if time.monotonic() >= next_heartbeat:
+                    break
+            self._poll_requests()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._write_heartbeat()
+                next_heartbeat = now + self.heartbeat_interval
+            if not self._buffer:
+                self._wake.wait(min(_IDLE_POLL_S, max(next_heartbeat - time.monotonic(), 0.0)))
+
+    def _poll_requests(self) -> None:
+        assert self._pubsub is not None
+        while (msg := self._pubsub.get_message(timeout=0)) is not None:
+            if msg.get("type") == "message" and msg.get("data") == self.replica_id.encode():
+                self._snapshot_wanted.set()
+
+    def _write_heartbeat(self) -> None:
+        assert self._client is not None
+        load = self._load
+        fields = {
+            "replica_id": self.replica_id,
+            "epoch": str(self.epoch),
+            "last_seq": str(self.last_seq_written),
+            **self.identity,
+            **{f: str(load.get(f, 0)) for f in LOAD_FIELDS},
+            "ts": repr(time.time()),
+        }
+        assert set(fields) == set(HEARTBEAT_FIELDS), "heartbeat fields drifted from kvroute.redis_layout"
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(self._hb_key, mapping=fields)
+        pipe.pexpire(self._hb_key, self._ttl_ms)
+        pipe.execute()
+
+    def _write_some(self) -> bool:
+        """Write up to one chunk of buffered items in one MULTI/EXEC; False when nothing was buffered."""
+        assert self._client is not None
+        with self._lock:
+            n = min(len(self._buffer), _WRITE_CHUNK)
+            items = [self._buffer.popleft() for _ in range(n)]
+            self._num_buffered_batches -= sum(1 for it in items if isinstance(it, _Batch))
+        if not items:
+            return False
+        num_batches = sum(1 for it in items if isinstance(it, _Batch))
+        try:
+            pipe = self._pipeline(items)
+        except Exception:  # noqa: BLE001 - a bad item must not wedge the buffer
+            log.exception("kv publisher: could not encode %d buffered items; dropping them", len(items))
+            self._dropped_on_write += num_batches
+            self._snapshot_wanted.set()
+            return True
+        try:
+            pipe.execute()
+        except redis.ResponseError:
+            # Redis refused the commands (wrong key type, out of memory): retrying would refuse
+            # again, so the batches are lost like a buffer overflow and a snapshot will follow.
+            log.exception("kv publisher: Redis refused %d buffered items; dropping them", len(items))
+            self._dropped_on_write += num_batches
+            self._snapshot_wanted.set()
+            return True
+        except BaseException:
+            with self._lock:  # put them back, oldest first, to be written after the reconnect
+                self._buffer.extendleft(reversed(items))
+                self._num_buffered_batches += num_batches
+            raise
+        for it in items:
+            if isinstance(it, _Batch):
+                self.batches_published += 1
+                self.events_published += it.num_events
+                self.last_seq_written = it.seq
+        if any(isinstance(it, _Snapshot) for it in items):
+            self.snapshots_written += 1
+        return True
+
+    def _pipeline(self, items: list[_Batch | _Snapshot]) -> redis.client.Pipeline:
+        """One MULTI/EXEC writing ``items`` in order (the newest snapshot only: older ones are superseded)."""
+        assert self._client is not None
+        last_snapshot = next((it for it in reversed(items) if isinstance(it, _Snapshot)), None)
+        pipe = self._client.pipeline(transaction=True)
+        epoch = str(self.epoch)
+        for it in items:
+            if isinstance(it, _Batch):
+                pipe.xadd(
+                    self._stream,
+                    {F_REPLICA_ID: self.replica_id, F_EPOCH: epoch, F_SEQ: str(it.seq), F_BATCH: it.data},
+                    maxlen=self.stream_maxlen,
+                    approximate=True,
+                )
+            elif it is last_snapshot:
+                pipe.set(self._snapshot_key, self._snapshot_bytes(it))
+        return pipe
+
+    def _snapshot_bytes(self, snap: _Snapshot) -> bytes:
+        msg = events_pb2.CacheSnapshot(replica_id=self.replica_id, epoch=self.epoch, seq=snap.seq, ts=snap.ts)
+        for medium, hashes in snap.media.items():
+            msg.media.add(medium=medium, block_hashes=hashes)
+        return msg.SerializeToString()
+
+
+def engine_identity(engine: Any, address: str, model: str) -> dict[str, str]:
+    """The heartbeat identity of an ``LLMEngine`` served at ``address``."""
+    algorithm, seed_digest, block_size = engine.hasher.identity
+    return {
+        "address": address,
+        "model": model,
+        "block_size": str(block_size),
+        "hash_algorithm": algorithm,
+        "hash_seed_digest": seed_digest,
+        "num_blocks": str(engine.num_blocks),
+    }
+
+
+__all__ = ["IDENTITY_FIELDS", "LOAD_FIELDS", "KVEventPublisher", "engine_identity"]

@@ -1,0 +1,168 @@
+"""TorchAttentionBackend against a naive reference: full causal attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replica.attention import (
+    TorchAttentionBackend,
+    allocate_kv_caches,
+    build_attention_metadata,
+    kv_cache_block_bytes,
+    kv_cache_shape,
+    select_backend,
+    write_kv_cache,
+)
+
+SENTINEL = 7.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # Tiny tensors: two OpenMP threads on a busy 2-core machine only add barrier waits.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+    """q [L, H, D] at positions first_pos.., k/v [S, Hkv, D] contiguous; float64 loops."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        pos = first_pos + j
+        for h in range(num_heads):
+            keys = k[: pos + 1, h // group].double()
+            scores = keys @ q[j, h].double() * scale
+            weights = torch.softmax(scores, dim=0)
+            out[j, h] = weights @ v[: pos + 1, h // group].double()
+    return out
+
+
+def run_case(
+    requests: list[tuple[int, int]],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    pad_to: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """requests: (query_len, seq_len) each. Context K/V is pre-written through the block table;
+    the backend writes the query tokens' K/V itself. Returns everything needed to check."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1 / math.sqrt(head_dim)
+    (cache,) = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    cache.fill_(SENTINEL)
+    # Non-contiguous, shuffled block ids; block 0 (null) and the last block are never handed out.
+    free = (torch.randperm(num_blocks - 2, generator=gen) + 1).tolist()
+    tables, full_k, full_v, queries, new_k, new_v = [], [], [], [], [], []
+    for query_len, seq_len in requests:
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        tables.append(table)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        full_k.append(k)
+        full_v.append(v)
+        ctx = seq_len - query_len
+        if ctx:
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+            write_kv_cache(k[:ctx], v[:ctx], cache, slots)
+        queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype))
+        new_k.append(k[ctx:])
+        new_v.append(v[ctx:])
+    md, _ = build_attention_metadata([q for q, _ in requests], [s for _, s in requests], tables, block_size, pad_to)
+    num_pad = md.num_tokens - md.num_actual_tokens
+    q = torch.cat([*queries, torch.full((num_pad, num_heads, head_dim), 3.0, dtype=dtype)])
+    k = torch.cat([*new_k, torch.full((num_pad, num_kv_heads, head_dim), -5.0, dtype=dtype)])
+    v = torch.cat([*new_v, torch.full((num_pad, num_kv_heads, head_dim), -5.0, dtype=dtype)])
+    out = TorchAttentionBackend().forward(q, k, v, cache, md, scale)
+    return out, md, cache, full_k, full_v, queries, tables, scale
+
+
+def check_against_reference(requests, atol=1e-5, **kwargs):
+    out, md, cache, full_k, full_v, queries, tables, scale = run_case(requests, **kwargs)
+    starts = md.query_start_loc.tolist()
+    for i, (query_len, seq_len) in enumerate(requests):
+        expected = naive_attention(queries[i], full_k[i], full_v[i], seq_len - query_len, scale)
+        got = out[starts[i] : starts[i + 1]].double()
+        torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    assert torch.all(out[md.num_actual_tokens :] == 0), "padded rows must be zeros"
+    return out, md, cache, full_k, full_v, tables
+
+
+def test_pure_decode_batch_matches_naive_attention():
+    check_against_reference([(1, 1), (1, 5), (1, 8), (1, 13), (1, 33)])
+
+
+def test_mixed_prefill_decode_and_chunked_prefill_with_padding_matches_naive_attention():
+    requests = [(1, 9), (7, 7), (3, 11), (1, 4), (16, 16), (5, 21)]
+    check_against_reference(requests, pad_to=40)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 1), (8, 2)])
+def test_gqa_and_mha_head_layouts_match_naive_attention(num_heads, num_kv_heads):
+    check_against_reference([(1, 6), (4, 10), (3, 3)], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=3)
+
+
+def test_block_size_one_and_sixteen_match_naive_attention():
+    check_against_reference([(2, 5), (1, 3)], block_size=1, num_blocks=32)
+    check_against_reference([(20, 37), (1, 17), (1, 16)], block_size=16, num_blocks=16)
+
+
+def test_bfloat16_matches_naive_attention_loosely():
+    check_against_reference([(1, 9), (6, 14)], dtype=torch.bfloat16, atol=3e-2, pad_to=8)
+
+
+def test_cache_holds_every_token_at_its_slot_and_padding_writes_nothing():
+    requests = [(1, 9), (7, 7), (3, 11)]
+    block_size = 4
+    _, md, cache, full_k, full_v, tables = check_against_reference(requests, pad_to=16, block_size=block_size)
+    written = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool)
+    flat = cache.view(2, -1, *cache.shape[3:])
+    for (_, seq_len), table, k, v in zip(requests, tables, full_k, full_v, strict=True):
+        for pos in range(seq_len):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            assert torch.equal(flat[0, slot], k[pos])
+            assert torch.equal(flat[1, slot], v[pos])
+            written[slot] = True
+    # Everything else, the last block included (where a -1 slot would land if used as an index),
+    # still holds the sentinel.
+    assert torch.all(flat[:, ~written] == SENTINEL)
+
+
+def test_write_kv_cache_skips_interior_padding_slots():
+    cache = torch.zeros(kv_cache_shape(4, 2, 1, 2))
+    key = torch.arange(6, dtype=torch.float32).view(3, 1, 2) + 1
+    write_kv_cache(key, -key, cache, torch.tensor([5, -1, 2]))
+    flat = cache.view(2, 8, 1, 2)
+    assert flat[0, 5].tolist() == [[1.0, 2.0]]
+    assert flat[0, 2].tolist() == [[5.0, 6.0]]
+    assert flat[1, 2].tolist() == [[-5.0, -6.0]]
+    assert int((flat != 0).any(-1).any(-1).sum()) == 4  # two slots, K and V
+
+
+def test_kv_cache_sizing_helpers():
+    assert kv_cache_shape(10, 16, 4, 32) == (2, 10, 16, 4, 32)
+    # 2 (K, V) * 16 tokens * 4 heads * 32 dims * 2 bytes * 4 layers
+    assert kv_cache_block_bytes(16, 4, 32, torch.bfloat16, 4) == 2 * 16 * 4 * 32 * 2 * 4
+    caches = allocate_kv_caches(3, 5, 16, 4, 32, torch.float32, "cpu")
+    assert len(caches) == 3
+    assert all(c.shape == (2, 5, 16, 4, 32) and not c.any() for c in caches)
+
+
+def test_select_backend_on_cpu_is_torch_and_rejects_unknown_names():
+    assert select_backend("cpu").name == "torch"
+    assert select_backend("cpu", "torch").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("cpu", "xformers")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("cpu", "flash_attn")
