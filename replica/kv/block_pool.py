@@ -78,8 +78,9 @@ class BlockPool:
         Raises:
             KVCacheError: fewer than ``num_blocks`` are free.
         """
-        if num_blocks > self.get_num_free_blocks():
-            raise KVCacheError(f"get_new_blocks: asked for {num_blocks} blocks, {self.get_num_free_blocks()} free")
+        free = self.free_block_queue.num_free_blocks
+        if num_blocks > free:
+            raise KVCacheError(f"get_new_blocks: asked for {num_blocks} blocks, {free} free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
@@ -102,18 +103,38 @@ class BlockPool:
         Raises:
             KVCacheError: a block's ref_cnt is already 0 (double free); nothing is changed then.
         """
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0 and not block.is_null:
-                raise KVCacheError(f"double free of block {block.block_id} (ref_cnt is already 0)")
-        for block in ordered_blocks:
-            if block.is_null:
+        # Decrement first and roll back on error, so that a block listed twice in one call is caught
+        # as the double free it is (checking ref_cnt > 0 up front would let it reach -1). Blocks
+        # reaching 0 are then linked into the free queue in one splice per end.
+        null = self.null_block
+        freed: list[KVCacheBlock] = []
+        for i, block in enumerate(ordered_blocks):
+            if block is null:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if self.free_order == "lru" and block.block_hash is None:
-                    self.free_block_queue.appendleft(block)
-                else:
-                    self.free_block_queue.append(block)
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
+                for b in ordered_blocks[:i]:
+                    if b is not null:
+                        b.ref_cnt += 1
+                raise KVCacheError(f"double free of block {block.block_id} (ref_cnt is already 0)")
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                freed.append(block)
+        if not freed:
+            return
+        if self.free_order == "fifo":
+            self.free_block_queue.append_n(freed)
+            return
+        head: list[KVCacheBlock] = []
+        tail: list[KVCacheBlock] = []
+        for block in freed:
+            (head if block.block_hash is None else tail).append(block)
+        if head:
+            # Same order as calling appendleft on each in turn: the last one freed is reused first.
+            head.reverse()
+            self.free_block_queue.prepend_n(head)
+        if tail:
+            self.free_block_queue.append_n(tail)
 
     # -- prefix cache -------------------------------------------------------------------------
     def cache_full_blocks(
