@@ -256,3 +256,15 @@ def test_reset_prefix_cache_clears_everything_when_nothing_is_held(mgr):
     assert mgr.cached_event_hashes() == {"GPU": [], "CPU": []}
     assert mgr.num_free_blocks == 8
     assert mgr.get_computed_blocks(SimpleKVRequest("again", list(range(1, 10)))).blocks == []
+
+
+def test_allocate_past_max_model_len_is_refused_and_changes_nothing():
+    from replica.kv import KVCacheError, KVCacheManager, SimpleKVRequest
+
+    kv = KVCacheManager(num_blocks=16, block_size=4, max_model_len=10)
+    req = SimpleKVRequest("long", list(range(12)))
+    free_before = kv.num_free_blocks
+    with pytest.raises(KVCacheError, match="max_model_len=10"):
+        kv.allocate_slots(req, 12)
+    assert kv.num_free_blocks == free_before
+    assert kv.req_to_blocks == {}

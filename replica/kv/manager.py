@@ -273,8 +273,14 @@ class KVCacheManager:
                 f" {num_computed_tokens + num_new_tokens}"
             )
         self._check_token_ids(request, num_computed_tokens, num_computed_tokens + num_new_tokens)
+        if self.max_model_len is not None and num_computed_tokens + num_new_tokens > self.max_model_len:
+            raise KVCacheError(
+                f"allocate_slots: request {rid!r} would hold {num_computed_tokens + num_new_tokens} tokens,"
+                f" more than max_model_len={self.max_model_len}"
+            )
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
+            # Lookahead slots past max_model_len would never be used (vLLM caps them the same way).
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
         req_blocks = self.req_to_blocks.get(rid, [])
         num_required_blocks = -(-num_tokens_need_slot // B)
