@@ -102,6 +102,13 @@ class LLMEngine:
             # Like vLLM, a sequence of max_model_len tokens must fit in the KV cache on its own;
             # unlike vLLM we shrink the default instead of failing, and say so in model info.
             max_model_len = min(max_model_len, kv_capacity_tokens)
+        elif not 2 <= max_model_len <= mcfg.max_model_len:
+            # Past the model's own limit (max_position_embeddings, or the sliding window we compute
+            # as full attention) outputs are silently wrong; vLLM refuses this too.
+            raise ValueError(
+                f"max_model_len: must be in [2, {mcfg.max_model_len}] (one prompt and one output token; the"
+                f" longest sequence this model computes exactly), got {max_model_len}"
+            )
         elif max_model_len > kv_capacity_tokens:
             raise ValueError(
                 f"max_model_len: {max_model_len} tokens do not fit in the KV cache ({self.num_blocks - 1} blocks of"
