@@ -5,6 +5,8 @@ torch (DESIGN.md §1).
 
     kvroute demo [--requests N] [--replicas K]   replay the bundled Mooncake trace through K real
                                                  KV cache managers: round robin vs longest prefix
+    kvroute replica [--flag ...]                 run one replica (gRPC + engine + KV events); its
+                                                 flags are ReplicaSettings' (kvroute replica --help)
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replica(args: argparse.Namespace) -> int:
+    from replica.server import main as replica_main
+
+    return replica_main(args.passthrough, prog="kvroute replica")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="Prefix-aware routing cluster for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,11 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-blocks", type=int, default=8192, help="KV blocks per replica")
     d.add_argument("--load-slack", type=float, default=0.1, help="bounded-load slack for longest_prefix")
     d.set_defaults(func=_demo)
+    # The replica's flags are declared by ReplicaSettings, which imports torch: they are parsed by
+    # the replica itself (replica.server.main), so that `kvroute --help` stays torch-free.
+    r = sub.add_parser("replica", add_help=False, help="run one replica (flags: kvroute replica --help)")
+    r.set_defaults(func=_replica, passthrough=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.func is _replica:
+        args.passthrough = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -1,0 +1,87 @@
+"""The one boundary where typed errors become gRPC status codes (grpc.aio servers).
+
+A servicer method raises typed exceptions (or :class:`RpcError` for a status decided on the spot);
+:func:`error_boundary` wraps the method -- unary or server-streaming -- and turns whatever escapes
+into ``context.abort(code, message)`` through a *classifier* the process supplies::
+
+    classify(exc) -> (grpc.StatusCode, message) | None      # None: not ours -> INTERNAL, logged
+
+Cancellation (client cancel, deadline expiry) is never caught: ``asyncio.CancelledError`` passes
+through so that grpc reports CANCELLED / DEADLINE_EXCEEDED and the method's ``finally`` blocks
+release what the call held. Streaming methods close their inner generator explicitly
+(``aclosing``) so that cleanup runs at once, not when the garbage collector finds it.
+
+Imports no replica or router code: each side passes its own classifier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+Classifier = Callable[[BaseException], "tuple[grpc.StatusCode, str] | None"]
+
+
+class RpcError(Exception):
+    """End the call with ``code`` and ``message`` (raised by servicers, mapped by the boundary)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _status_of(exc: BaseException, classify: Classifier | None) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, RpcError):
+        return exc.code, exc.message
+    mapped = classify(exc) if classify is not None else None
+    if mapped is not None:
+        return mapped
+    log.exception("unhandled error in a gRPC method", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def error_boundary(classify: Classifier | None = None) -> Callable:
+    """Decorator for ``async def method(self, request, context)`` servicer methods, coroutine or
+    async generator, that maps escaping exceptions to a status with ``classify``."""
+
+    def decorate(fn: Callable) -> Callable:
+        if inspect.isasyncgenfunction(fn):
+
+            @functools.wraps(fn)
+            async def stream(self, request, context):
+                try:
+                    async with contextlib.aclosing(fn(self, request, context)) as gen:
+                        async for item in gen:
+                            yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this is the boundary
+                    code, message = _status_of(exc, classify)
+                    await context.abort(code, message)
+
+            return stream
+
+        @functools.wraps(fn)
+        async def unary(self, request, context):
+            try:
+                return await fn(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the boundary
+                code, message = _status_of(exc, classify)
+                await context.abort(code, message)
+
+        return unary
+
+    return decorate
+
+
+__all__ = ["Classifier", "RpcError", "error_boundary"]

@@ -1,0 +1,188 @@
+"""OpenTelemetry setup shared by the replica and the router (DESIGN.md §6).
+
+One call per process, :func:`setup_telemetry`, builds the two providers and their exporters::
+
+    MeterProvider ──▶ PrometheusMetricReader ──▶ own CollectorRegistry ──▶ HTTP :metrics_port/metrics
+                  └─▶ PeriodicExportingMetricReader(OTLPMetricExporter)   (when OTLP is on)
+                  └─▶ extra readers (tests: InMemoryMetricReader)
+    TracerProvider ─▶ BatchSpanProcessor(OTLPSpanExporter)                 (when OTLP is on)
+                   └▶ SimpleSpanProcessor(each extra exporter)              (tests: InMemorySpanExporter)
+
+OTLP is on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its ``_TRACES_`` / ``_METRICS_`` variant) is
+set: the ``OTEL_*`` variables belong to the OpenTelemetry contract, and the OTLP exporters read
+endpoint, headers and protocol options from them themselves. Pass ``otlp=True/False`` to decide
+explicitly instead.
+
+Processes instrument through the returned :class:`Telemetry` handle (``meter()``, ``tracer()``),
+never through the global providers, so that tests can build several independent stacks in one
+process. ``set_global=True`` (what the server processes do) additionally installs the providers as
+the OpenTelemetry globals -- the only module-level mutable state the house rules allow.
+
+Context propagation across gRPC hops uses W3C ``traceparent`` / ``tracestate`` in the call
+metadata: :func:`extract_context` on the server side, :func:`inject_metadata` on the client side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+log = logging.getLogger(__name__)
+
+OTLP_ENDPOINT_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+@dataclass
+class Telemetry:
+    """The providers of one process and what serves them.
+
+    ``metrics_port`` is the bound Prometheus port (``None`` when the endpoint is off); ``registry``
+    is the prometheus_client registry the endpoint serves (also usable with
+    ``prometheus_client.generate_latest`` in tests).
+    """
+
+    service_name: str
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider
+    registry: Any = None  # prometheus_client.CollectorRegistry | None
+    metrics_port: int | None = None
+    otlp: bool = False
+    tracing: bool = False  # some span processor exports: OTLP or an extra exporter
+    _http_server: Any = field(default=None, repr=False)
+
+    def meter(self, name: str) -> metrics.Meter:
+        return self.meter_provider.get_meter(name)
+
+    def tracer(self, name: str) -> trace.Tracer:
+        return self.tracer_provider.get_tracer(name)
+
+    def prometheus_text(self) -> str:
+        """What the Prometheus endpoint would serve now (empty when it is off)."""
+        if self.registry is None:
+            return ""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def shutdown(self) -> None:
+        """Flush and stop exporters and the HTTP endpoint (idempotent)."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def otlp_configured(env: Mapping[str, str] | None = None) -> bool:
+    """True when an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` variable is set (the OpenTelemetry convention)."""
+    env = os.environ if env is None else env
+    return any(env.get(v) for v in OTLP_ENDPOINT_VARIABLES)
+
+
+def setup_telemetry(
+    service_name: str,
+    metrics_port: int | None = None,
+    *,
+    metrics_host: str = "0.0.0.0",
+    otlp: bool | None = None,
+    span_exporters: Iterable[SpanExporter] = (),
+    metric_readers: Iterable[MetricReader] = (),
+    resource_attributes: Mapping[str, str] | None = None,
+    set_global: bool = False,
+) -> Telemetry:
+    """Build the MeterProvider and TracerProvider of a process.
+
+    Args:
+        service_name: the ``service.name`` resource attribute (``kvroute-replica``, ``kvroute-router``).
+        metrics_port: serve Prometheus text on this port (0 = a free one, read back from
+            ``Telemetry.metrics_port``); ``None`` or negative = no endpoint.
+        otlp: export metrics and traces with OTLP/gRPC; ``None`` = when ``otlp_configured()``.
+        span_exporters: extra span exporters, each behind a ``SimpleSpanProcessor`` (tests).
+        metric_readers: extra metric readers (tests pass an ``InMemoryMetricReader``).
+        resource_attributes: more resource attributes (``service.instance.id``, ...).
+        set_global: also install the providers as the OpenTelemetry globals.
+
+    Raises:
+        OSError: ``metrics_port`` cannot be bound.
+    """
+    resource = Resource.create({SERVICE_NAME: service_name, **(resource_attributes or {})})
+    otlp = otlp_configured() if otlp is None else otlp
+    readers: list[MetricReader] = list(metric_readers)
+    registry = None
+    http_server = None
+    bound_port = None
+    if metrics_port is not None and metrics_port >= 0:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.process_collector import ProcessCollector
+
+        # A registry of our own rather than prometheus_client's global one: two stacks in one
+        # process (tests) must not collide on collector registration.
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        readers.append(PrometheusMetricReader(registry=registry))
+        http_server, _thread = start_http_server(metrics_port, addr=metrics_host, registry=registry)
+        bound_port = http_server.server_port
+    tracer_provider = TracerProvider(resource=resource)
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    span_exporters = list(span_exporters)
+    for exporter in span_exporters:
+        tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    if set_global:
+        metrics.set_meter_provider(meter_provider)
+        trace.set_tracer_provider(tracer_provider)
+    log.info(
+        "telemetry: service %s, prometheus %s, otlp %s",
+        service_name, f":{bound_port}" if bound_port is not None else "off", "on" if otlp else "off",
+    )
+    return Telemetry(
+        service_name, meter_provider, tracer_provider, registry, bound_port, otlp, otlp or bool(span_exporters),
+        http_server,
+    )
+
+
+def extract_context(metadata: Metadata | None) -> otel_context.Context:
+    """The trace context a caller sent in gRPC metadata (W3C ``traceparent``), or an empty one.
+
+    ``metadata`` is what ``ServicerContext.invocation_metadata()`` returns.
+    """
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        if isinstance(value, bytes):  # binary ("-bin") headers carry no trace context
+            continue
+        carrier[key.lower()] = value
+    return propagate.extract(carrier)
+
+
+def inject_metadata(metadata: Sequence[tuple[str, str]] = (), ctx: otel_context.Context | None = None) -> list[tuple[str, str]]:
+    """``metadata`` plus the W3C trace headers of ``ctx`` (default: the current context)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return [*metadata, *carrier.items()]
+
+
+__all__ = ["Telemetry", "extract_context", "inject_metadata", "otlp_configured", "setup_telemetry"]

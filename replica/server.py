@@ -1,0 +1,338 @@
+"""The replica process: model + engine + gRPC services + health + reflection + KV event publisher.
+
+    start():  gRPC up (liveness SERVING, readiness NOT_SERVING) ─▶ load model, warm up (a thread)
+              ─▶ publisher.start() ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
+              ─▶ readiness / "" / service names SERVING
+    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ grpc stop(grace)
+              ─▶ engine thread stopped ─▶ publisher closed                     (a few seconds at most)
+
+``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m replica`` and ``kvroute replica``
+call :func:`main`. Tests and benchmarks use :class:`ReplicaServer` directly (``port=0`` binds a free
+port, read back from ``.port``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvroute.redis_layout import RedisLayout
+from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
+from replica.engine.async_engine import AsyncLLMEngine
+from replica.service import GenerationServicer, ReplicaFrontend, ReplicaServicer, service_names
+from replica.settings import ReplicaSettings
+from replica.telemetry import ReplicaMetrics
+
+log = logging.getLogger(__name__)
+
+LIVENESS = "liveness"
+READINESS = "readiness"
+WARMUP_PROMPT = "The harbour town woke before the sun."
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def resolve_model_dir(settings: ReplicaSettings) -> tuple[Path, str]:
+    """The model folder and its name: ``settings.model``, or the generated default model in
+    ``settings.model_cache_dir`` (default ``~/.cache/kvroute/models``), generated on first use."""
+    if settings.model:
+        path = Path(settings.model).expanduser()
+        return path, path.name
+    from replica.model.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+
+    cache = Path(settings.model_cache_dir).expanduser() if settings.model_cache_dir else Path.home() / ".cache/kvroute/models"
+    return Path(ensure_default_model(cache / DEFAULT_MODEL_DIRNAME)), DEFAULT_MODEL_DIRNAME
+
+
+def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
+    """Load the model, build the ``LLMEngine`` and warm it up (blocking; seconds).
+
+    The warm-up request goes through the whole step path once (first-call allocations, kernel
+    selection). Its traces are then erased -- prefix cache emptied, its KV events dropped, the
+    prefix cache counters zeroed -- so that metrics and the published cache state start at the
+    first real request.
+
+    Raises:
+        ModelLoadError: the model folder cannot be loaded.
+        ValueError: a setting is inconsistent (the message names it).
+    """
+    from replica.engine.engine import LLMEngine
+    from replica.engine.params import SamplingParams
+    from replica.kv import PrefixCacheStats
+
+    model_dir, name = resolve_model_dir(settings)
+    engine = LLMEngine(model_dir, settings.engine_config())
+    engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.kv.reset_prefix_cache()
+    engine.take_kv_events()
+    engine.kv.stats = PrefixCacheStats()
+    return engine, name
+
+
+class ReplicaServer:
+    """One replica's gRPC server over one engine (see the module docstring for the sequence).
+
+    After ``await start()``: ``port`` (bound), ``address`` (advertised), ``replica_id``,
+    ``engine`` (the ``AsyncLLMEngine``), ``frontend``, ``publisher`` (or None).
+    """
+
+    def __init__(self, settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry
+        self.port: int | None = None
+        self.address = ""
+        self.replica_id = settings.replica_id
+        self.engine: Any = None
+        self.publisher: Any = None
+        self.frontend: ReplicaFrontend | None = None
+        self.model_name = ""
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._watchdog: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    @property
+    def target(self) -> str:
+        """``host:port`` to dial on this machine."""
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def _set_all(self, status: int) -> None:
+        for name in ("", READINESS, *service_names()):
+            await self._health.set(name, status)
+
+    async def start(self) -> None:
+        """Bind and serve, then load the model and become ready.
+
+        Raises:
+            RuntimeError: the port cannot be bound, or ``redis_url`` is set without a publisher.
+            ModelLoadError / ValueError: from :func:`build_engine` (the server is stopped first).
+        """
+        s = self.settings
+        # so_reuseport off: a second replica on a taken port must fail, not share the port.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = server
+        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        if not self.port:
+            raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
+        wildcard = s.host in ("", "0.0.0.0", "::")
+        self.address = s.advertise_address or f"{socket.gethostname() if wildcard else s.host}:{self.port}"
+        self.replica_id = s.replica_id or f"{socket.gethostname()}-{self.port}"
+        tracer = None
+        if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
+            tracer = self.telemetry.tracer("kvroute.replica")
+        self.frontend = frontend = ReplicaFrontend(replica_id=self.replica_id, max_waiting=s.max_waiting, tracer=tracer)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
+        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        await self._set_all(_NOT_SERVING)
+        await self._health.set(LIVENESS, _SERVING)
+        await server.start()
+        log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
+        try:
+            engine, self.model_name = await asyncio.to_thread(build_engine, s)
+            if self.telemetry is not None:
+                frontend.metrics = ReplicaMetrics(
+                    self.telemetry.meter("kvroute.replica"), model=self.model_name,
+                    sample=frontend.latest_sample, publisher=lambda: self.publisher,
+                )
+            self.publisher = await self._start_publisher(engine)
+            frontend.publisher = self.publisher
+            self.engine = AsyncLLMEngine(engine, step_hook=frontend.on_step)
+            self.engine.start()
+            frontend.attach(self.engine, self.model_name, self.publisher)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        self._watchdog = asyncio.create_task(self._watch_engine())
+        await self._set_all(_SERVING)
+        log.info(
+            "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s",
+            self.replica_id, self.model_name, engine.num_blocks, engine.config.block_size, engine.max_model_len,
+            self.address,
+        )
+
+    async def _start_publisher(self, engine: Any) -> Any:
+        s = self.settings
+        if not s.redis_url:
+            return None
+        try:
+            from replica.publisher import KVEventPublisher, engine_identity
+        except ImportError as e:
+            raise RuntimeError(f"redis_url: set, but the KV event publisher is unavailable ({e})") from e
+        identity = engine_identity(engine, self.address, self.model_name)
+        pub = KVEventPublisher(
+            s.redis_url, RedisLayout(s.namespace, s.event_shards), self.replica_id, identity,
+            heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
+            buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+        )
+        started = pub.start()
+        if inspect.isawaitable(started):
+            await started
+        return pub
+
+    async def _watch_engine(self) -> None:
+        """Liveness and readiness go NOT_SERVING when the step loop dies (the orchestrator restarts us)."""
+        while self.engine is not None and self.engine.dead is None:
+            await asyncio.sleep(0.5)
+        if self.engine is not None and not self._stopping:
+            log.error("engine step loop died (%r); reporting NOT_SERVING", self.engine.dead)
+            await self._set_all(_NOT_SERVING)
+            await self._health.set(LIVENESS, _NOT_SERVING)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop: NOT_SERVING everywhere, abort in-flight calls, stop gRPC within ``grace`` seconds,
+        stop the engine thread, close the publisher. Idempotent.
+
+        The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
+        that never end on their own (health ``Watch`` streams), which are cancelled after it.
+        """
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        try:
+            await self._health.enter_graceful_shutdown()
+            if self.frontend is not None:
+                n = self.frontend.drain()
+                if n:
+                    log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
+            if self._server is not None:
+                await self._server.stop(grace)
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._watchdog
+            if self.engine is not None:
+                await asyncio.to_thread(self.engine.shutdown, 2.0)
+            if self.publisher is not None:
+                closed = await asyncio.to_thread(self.publisher.close)
+                if inspect.isawaitable(closed):
+                    await closed
+        finally:
+            self._stopped.set()
+            log.info("replica %s stopped", self.replica_id)
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+
+class BackgroundReplica:
+    """A :class:`ReplicaServer` on its own event-loop thread, for synchronous callers (tests,
+    benchmarks, an in-process cluster): ``with BackgroundReplica(settings) as r: dial(r.target)``.
+
+    Raises (constructor): whatever ``ReplicaServer.start`` raises, after cleaning up.
+    """
+
+    def __init__(self, settings: ReplicaSettings, *, telemetry: Telemetry | None = None, timeout: float = 120.0):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="replica-server-loop", daemon=True)
+        self._thread.start()
+        self.server = ReplicaServer(settings, telemetry=telemetry)
+        try:
+            self.run(self.server.start(), timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, grace: float = 1.0) -> None:
+        """Stop the server (graceful, see ``ReplicaServer.stop``) and its loop thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self.run(self.server.stop(grace), grace + 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self) -> BackgroundReplica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
+    """Run a replica until SIGTERM / SIGINT, then stop it gracefully."""
+    own_telemetry = telemetry is None
+    if telemetry is None:
+        telemetry = setup_telemetry(
+            "kvroute-replica", settings.metrics_port if settings.metrics_port >= 0 else None, set_global=True,
+        )
+        if telemetry.metrics_port is not None:
+            log.info("metrics on :%d/metrics", telemetry.metrics_port)
+    server = ReplicaServer(settings, telemetry=telemetry)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.create_task(server.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start raises here
+            await stopping
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        log.info("replica %s: stopping", server.replica_id)
+        await server.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if own_telemetry:
+            telemetry.shutdown()
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``python -m replica`` / ``kvroute replica``: flags (or ``KVROUTE_*``) -> ReplicaSettings -> serve."""
+    from kvroute.settings import load_settings
+
+    prog = prog or "python -m replica"
+    try:
+        settings = load_settings(
+            ReplicaSettings, argv, prog=prog,
+            description="A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
+        )
+    except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except Exception as e:  # noqa: BLE001 - one readable line instead of a traceback
+        log.error("replica failed: %s: %s", type(e).__name__, e)
+        return 1
+    return 0
+
+
+__all__ = ["LIVENESS", "READINESS", "BackgroundReplica", "ReplicaServer", "build_engine", "main", "resolve_model_dir", "serve"]

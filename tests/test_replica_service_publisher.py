@@ -1,0 +1,105 @@
+"""A replica with ``redis_url`` publishes its KV events, heartbeats and snapshots (real Redis, real gRPC)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import redis
+
+from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
+from kvroute.hashing import BlockHasher, to_event_int
+from kvroute.redis_layout import RedisLayout
+from kvroute.redis_server import RedisServer
+from kvroute.v1 import events_pb2
+from kvroute.v1 import generation_pb2 as gen_pb
+from kvroute.v1 import replica_pb2 as rep_pb
+from kvroute.v1 import replica_pb2_grpc as rep_grpc
+from replica.server import BackgroundReplica
+from replica.settings import ReplicaSettings
+
+BLOCK = 16
+PROMPT = [(13 * i + 1) % 500 for i in range(3 * BLOCK + 2)]
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with RedisServer() as rs:
+        settings = ReplicaSettings(
+            host="127.0.0.1", port=0, model_cache_dir=str(tmp_path_factory.mktemp("models")), num_blocks=64,
+            torch_threads=1, replica_id="pub-replica", redis_url=rs.url, namespace="svc", heartbeat_interval=0.2,
+        )
+        with BackgroundReplica(settings) as replica:
+            channel = grpc.insecure_channel(replica.target)
+            yield replica, rep_grpc.ReplicaServiceStub(channel), redis.Redis.from_url(rs.url)
+            channel.close()
+
+
+def _stream_events(r: redis.Redis, layout: RedisLayout) -> list:
+    out = []
+    for _id, fields in r.xrange(layout.events_stream("pub-replica")):
+        assert fields[b"replica_id"] == b"pub-replica"
+        out.append((int(fields[b"seq"]), decode_batch(fields[b"batch"])[1]))
+    return out
+
+
+def test_heartbeat_carries_the_engine_identity_and_address(cluster):
+    replica, _stub, r = cluster
+    key = RedisLayout("svc").heartbeat_key("pub-replica")
+    hb = wait_for(lambda: r.hgetall(key))
+    eng = replica.server.engine.engine
+    assert hb[b"address"].decode() == replica.server.address
+    assert hb[b"hash_seed_digest"].decode() == eng.hasher.seed_digest
+    assert int(hb[b"num_blocks"]) == eng.num_blocks == 64
+    assert hb[b"model"] == b"kvroute-tiny-llama"
+
+
+def test_request_blocks_are_published_as_block_stored_after_the_epoch_clear(cluster):
+    replica, stub, r = cluster
+    stub.Generate(rep_pb.ReplicaGenerateRequest(
+        token_ids=PROMPT, sampling=gen_pb.SamplingParams(max_tokens=2, temperature=0.0)
+    ))
+    hasher = BlockHasher(block_size=BLOCK)
+    want = [to_event_int(d) for d in hasher.hash_blocks(PROMPT)]
+    assert len(want) == 3
+
+    def stored() -> list[int]:
+        return [h for _seq, evs in _stream_events(r, RedisLayout("svc")) for e in evs
+                if isinstance(e, BlockStored) for h in e.block_hashes]
+
+    assert wait_for(lambda: set(want) <= set(stored()))
+    batches = _stream_events(r, RedisLayout("svc"))
+    assert batches[0] == (1, [AllBlocksCleared(None)])  # the warm-up left nothing behind
+    assert [seq for seq, _ in batches] == list(range(1, len(batches) + 1))
+
+
+def test_request_snapshot_writes_the_cached_set(cluster):
+    replica, stub, r = cluster
+    seq = stub.RequestSnapshot(rep_pb.RequestSnapshotRequest()).seq
+    assert seq >= 2
+    key = RedisLayout("svc").snapshot_key("pub-replica")
+
+    def snapshot_at_seq():
+        raw = r.get(key)
+        if raw is None:
+            return None
+        snap = events_pb2.CacheSnapshot.FromString(raw)
+        return snap if snap.seq >= seq else None
+
+    snap = wait_for(snapshot_at_seq)
+    cached = {h for m in snap.media for h in m.block_hashes}
+    want = {to_event_int(d) for d in BlockHasher(block_size=BLOCK).hash_blocks(PROMPT)}
+    assert want <= cached
+    assert replica.server.publisher.batches_dropped == 0
