@@ -35,6 +35,7 @@ import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.telemetry import extract_context
+from kvroute.tokenizer import ChatTemplateError
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -42,7 +43,6 @@ from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.engine.errors import EngineError, InvalidRequestError
 from replica.engine.params import FinishReason, SamplingParams
-from replica.model.tokenizer import ChatTemplateError
 from replica.telemetry import EngineSample, ReplicaMetrics, RequestSpans, sample_engine
 
 log = logging.getLogger(__name__)

@@ -586,7 +586,7 @@ def test_tokenizer_special_ids(ours_default, hf_tokenizer):
 
 
 def test_tokenizer_module_imports_no_torch():
-    code = "import sys, replica.model.tokenizer, replica.model.config; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, kvroute.tokenizer, kvroute.model_folder; assert 'torch' not in sys.modules, 'torch'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvroute.model_folder import ModelLoadError
+from kvroute.tokenizer import ChatTemplateError, Tokenizer
 from replica.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from replica.model.errors import ModelLoadError
-from replica.model.tokenizer import ChatTemplateError, Tokenizer
 
 if TYPE_CHECKING:
     from replica.model.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model

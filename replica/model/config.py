@@ -7,14 +7,13 @@ Both spellings of the RoPE fields are accepted: transformers v4 writes ``rope_th
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replica.model.errors import ModelLoadError
+from kvroute.model_folder import ModelLoadError, read_json_file
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
@@ -174,20 +173,6 @@ class ModelConfig:
         folder = Path(folder)
         path = folder / CONFIG_FILENAME
         return cls.from_dict(read_json_file(path, folder), source=str(path))
-
-
-def read_json_file(path: Path, folder: Path) -> dict[str, Any]:
-    """Parse a JSON object file of a model folder; ``ModelLoadError`` names the file and the folder
-    when it is missing or malformed."""
-    if not path.is_file():
-        raise ModelLoadError(f"model folder {folder} has no {path.name}", path=path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path.name} in model folder {folder} is not valid JSON: {exc}", path=path) from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path.name} in model folder {folder} is not a JSON object", path=path)
-    return data
 
 
 def _architecture(raw: Mapping[str, Any], source: str) -> str:

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from replica.model.errors import ModelLoadError
+from kvroute.model_folder import ModelLoadError
 
 DEFAULT_MODEL_DIRNAME = "kvroute-tiny-llama"
 DEFAULT_SEED = 0

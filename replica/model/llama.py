@@ -22,7 +22,7 @@ from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 from replica.attention.torch_backend import TorchAttentionBackend
 from replica.model.config import ModelConfig, RopeScaling
-from replica.model.errors import ModelLoadError
+from kvroute.model_folder import ModelLoadError
 
 _MAX_NAMES_IN_ERROR = 12
 

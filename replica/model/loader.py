@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from kvroute.model_folder import ModelLoadError, read_json_file
+from kvroute.tokenizer import Tokenizer
 from replica.attention.backend import AttentionBackend, select_backend
-from replica.model.config import ModelConfig, read_json_file
-from replica.model.errors import ModelLoadError
+from replica.model.config import ModelConfig
 from replica.model.llama import LlamaModel
-from replica.model.tokenizer import Tokenizer
 
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"

@@ -32,8 +32,7 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from replica.model.config import read_json_file
-from replica.model.errors import ModelLoadError
+from kvroute.model_folder import ModelLoadError, read_json_file
 
 TOKENIZER_FILENAME = "tokenizer.json"
 TOKENIZER_CONFIG_FILENAME = "tokenizer_config.json"
