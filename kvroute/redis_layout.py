@@ -5,6 +5,7 @@
     kvroute:{ns}:replica:{replica_id} hash with TTL ~3 heartbeats: identity + load (HEARTBEAT_FIELDS)
     kvroute:{ns}:snapshot:{replica_id} CacheSnapshot bytes (the cached set per medium at a seq)
     kvroute:{ns}:snapshot-requests    pub/sub channel: a replica_id asks that replica for a snapshot
+    kvroute:{ns}:router-load:{router} hash with TTL: that router's in-flight load per replica
 """
 
 from __future__ import annotations
@@ -79,3 +80,10 @@ class RedisLayout:
 
     def snapshot_requests_channel(self) -> str:
         return f"{self.prefix}:snapshot-requests"
+
+    def router_load_key(self, router_id: str) -> str:
+        """Hash ``replica_id -> "in_flight,pending_prefill_tokens"`` of one router, with a TTL."""
+        return f"{self.prefix}:router-load:{router_id}"
+
+    def router_load_pattern(self) -> str:
+        return f"{self.prefix}:router-load:*"

@@ -1,0 +1,127 @@
+"""The routing decision: hash the prompt, look up the index, score the replicas, pick one.
+
+No I/O: the proxy and ``RouterService.Score`` call ``decide``; the proxy then ``commit``s the
+decision (speculative index entries + load accounting) right before dispatching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from kvroute.hashing import BlockHasher, BlockHashKeys
+from router.index import BlockIndex
+from router.load import LoadTracker, Ticket
+from router.registry import ReplicaInfo, ReplicaRegistry
+from router.scoring import Candidate, Policy, RequestShape, Scored
+
+
+@dataclass
+class Decision:
+    """A routing decision as data. ``picked`` is None when no replica is routable (``reason``)."""
+
+    picked: ReplicaInfo | None
+    scored: list[Scored]
+    block_hashes: list[int]
+    prompt_tokens: int
+    block_size: int
+    policy: str
+    predicted_cached_tokens: int = 0
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: hash, lookup, score, total
+
+    def score_of(self, replica_id: str) -> Scored | None:
+        return next((s for s in self.scored if s.candidate.replica_id == replica_id), None)
+
+
+class Router:
+    """Owns the decision path. ``policy`` can be switched at run time (``set_policy``).
+
+    ``index_lock`` is the lock the event consumer holds while it writes the index (its own thread);
+    lookups and speculative writes take it too.
+    """
+
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        index: BlockIndex,
+        registry: ReplicaRegistry,
+        load: LoadTracker,
+        policy: Policy,
+        index_lock: threading.Lock | None = None,
+    ):
+        self.hasher = hasher
+        self.index = index
+        self.index_lock = index_lock if index_lock is not None else contextlib.nullcontext()
+        self.registry = registry
+        self.load = load
+        self.policy = policy
+
+    def set_policy(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def decide(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, exclude: Collection[str] = ()
+    ) -> Decision:
+        """Score every routable replica (minus ``exclude``) for this prompt.
+
+        Raises:
+            ValueError: a token id is negative or not an integer.
+        """
+        t0 = time.perf_counter()
+        keys = BlockHashKeys(cache_salt=cache_salt or None)
+        hashes = self.hasher.event_ints(token_ids, keys)
+        t1 = time.perf_counter()
+        replicas = {r.replica_id: r for r in self.registry.routable() if r.replica_id not in exclude}
+        with self.index_lock:
+            matches = self.index.lookup(hashes, replicas)
+        t2 = time.perf_counter()
+        cands = []
+        for rid, info in replicas.items():
+            in_flight, pending = self.load.totals(rid)
+            cands.append(
+                Candidate(
+                    replica_id=rid,
+                    match=matches[rid],
+                    # The heartbeat counts what has reached the replica; the routers count what they
+                    # sent and has not been prefilled. They overlap, so take the larger.
+                    queued_prefill_tokens=max(info.queued_prefill_tokens, pending),
+                    running=info.running,
+                    in_flight=in_flight,
+                    kv_usage=info.usage,
+                )
+            )
+        req = RequestShape(len(token_ids), self.hasher.block_size)
+        pick, scored = self.policy.choose(cands, req)
+        t3 = time.perf_counter()
+        decision = Decision(
+            picked=replicas[pick.replica_id] if pick else None,
+            scored=scored,
+            block_hashes=hashes,
+            prompt_tokens=len(token_ids),
+            block_size=self.hasher.block_size,
+            policy=self.policy.name,
+            predicted_cached_tokens=pick.cached_tokens(req) if pick else 0,
+            reason="" if pick else self._no_replica_reason(exclude),
+            timings={"hash": t1 - t0, "lookup": t2 - t1, "score": t3 - t2, "total": t3 - t0},
+        )
+        return decision
+
+    def _no_replica_reason(self, exclude: Collection[str]) -> str:
+        known = self.registry.all()
+        if not known:
+            return "no replica is known (none discovered or heartbeating)"
+        why = "; ".join(f"{r.replica_id}: {r.reason or 'excluded' if r.replica_id in exclude else r.reason}" for r in known)
+        return f"no replica is routable ({why})"
+
+    def commit(self, decision: Decision) -> Ticket:
+        """Account the picked replica's load and credit it speculatively with the prompt's blocks."""
+        assert decision.picked is not None
+        rid = decision.picked.replica_id
+        with self.index_lock:
+            self.index.add_speculative(rid, decision.block_hashes)
+        uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
+        return self.load.begin(rid, uncached)

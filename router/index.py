@@ -1,0 +1,251 @@
+"""The router's block index: which replica holds which block, per medium (DESIGN.md §5). No I/O.
+
+    hash -> bitmask of replicas holding >= 1 copy        (one dict per medium, for lookups)
+    (replica, medium) -> {hash: copies}                  (reference counts, for removals)
+
+Replicas get a bit each. A lookup walks the request's hash chain from block 0 and ANDs the masks,
+so the per-block cost does not grow with the number of replicas; the first block at which a
+replica's bit drops out is its matched length. Duplicates exist on replicas (the same hash cached
+in two blocks), so a BlockRemoved of one copy only clears the bit when the last copy goes.
+
+Speculative entries credit a replica with a request's blocks right after routing it, for a short
+TTL, so that a burst of requests sharing a new prefix lands on one replica before its BlockStored
+events arrive. They count as GPU matches in lookups and are reported separately.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvroute.events import CPU, GPU, MEDIA
+
+
+@dataclass
+class Match:
+    """A replica's matched prefix for one request, in blocks: ``gpu`` leading blocks on the GPU,
+    then ``cpu`` more on its CPU tier; ``speculative`` of the ``gpu`` ones are speculative."""
+
+    gpu: int = 0
+    cpu: int = 0
+    speculative: int = 0
+
+
+class BlockIndex:
+    """Exact index of cached blocks per (replica, medium), with speculative entries.
+
+    Args:
+        speculative_ttl: seconds a speculative entry lives (0 disables them).
+        clock: monotonic clock (injectable for tests).
+    """
+
+    def __init__(self, speculative_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.speculative_ttl = speculative_ttl
+        self._clock = clock
+        self._bits: dict[str, int] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._masks: dict[str, dict[int, int]] = {m: {} for m in MEDIA}
+        self._counts: dict[tuple[str, str], dict[int, int]] = {}
+        self._spec_mask: dict[int, int] = {}
+        self._spec_until: dict[tuple[int, int], float] = {}  # (hash, bit) -> expiry
+        self._spec_queue: deque[tuple[float, int, Sequence[int]]] = deque()
+
+    # -- replicas ----------------------------------------------------------------------------------
+    def _bit(self, replica: str) -> int:
+        bit = self._bits.get(replica)
+        if bit is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = 1 << self._next_bit
+                self._next_bit += 1
+            self._bits[replica] = bit
+            for m in MEDIA:
+                self._counts[(replica, m)] = {}
+        return bit
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._bits)
+
+    def num_entries(self, replica: str, medium: str | None = None) -> int:
+        """Distinct hashes indexed for ``replica`` (one medium, or all)."""
+        media = MEDIA if medium is None else (medium,)
+        return sum(len(self._counts.get((replica, m), ())) for m in media)
+
+    def clear_replica(self, replica: str, medium: str | None = None) -> None:
+        """Drop what is known of ``replica`` (one medium, or all: AllBlocksCleared, new epoch)."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            return
+        for m in MEDIA if medium is None else (medium,):
+            counts = self._counts[(replica, m)]
+            mask = self._masks[m]
+            keep = ~bit
+            for h in counts:
+                v = mask[h] & keep
+                if v:
+                    mask[h] = v
+                else:
+                    del mask[h]
+            counts.clear()
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget ``replica`` entirely (heartbeat expired, discovery removed it); frees its bit."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            return
+        self.clear_replica(replica)
+        for key in [k for k in self._spec_until if k[1] == bit]:
+            del self._spec_until[key]
+        for h in [h for h, v in self._spec_mask.items() if v & bit]:
+            v = self._spec_mask[h] & ~bit
+            if v:
+                self._spec_mask[h] = v
+            else:
+                del self._spec_mask[h]
+        for m in MEDIA:
+            del self._counts[(replica, m)]
+        del self._bits[replica]
+        self._free_bits.append(bit)
+
+    # -- events ---------------------------------------------------------------------------------------
+    def add(self, replica: str, hashes: Iterable[int], medium: str = GPU) -> None:
+        """BlockStored: one more copy of each hash on (replica, medium)."""
+        bit = self._bit(replica)
+        counts = self._counts[(replica, medium)]
+        mask = self._masks[medium]
+        get = counts.get
+        for h in hashes:
+            c = get(h, 0)
+            counts[h] = c + 1
+            if not c:
+                mask[h] = mask.get(h, 0) | bit
+        return None
+
+    def remove(self, replica: str, hashes: Iterable[int], medium: str = GPU) -> int:
+        """BlockRemoved: one copy fewer of each hash. Returns how many hashes were not indexed
+        (a symptom of a missed event; the consumer resyncs on seq gaps anyway)."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            return sum(1 for _ in hashes)
+        counts = self._counts[(replica, medium)]
+        mask = self._masks[medium]
+        missing = 0
+        for h in hashes:
+            c = counts.get(h, 0)
+            if c > 1:
+                counts[h] = c - 1
+            elif c == 1:
+                del counts[h]
+                v = mask[h] & ~bit
+                if v:
+                    mask[h] = v
+                else:
+                    del mask[h]
+            else:
+                missing += 1
+        return missing
+
+    def load(self, replica: str, media: dict[str, Iterable[int]]) -> None:
+        """Replace everything known of ``replica`` with a snapshot (one entry per copy)."""
+        self.clear_replica(replica)
+        for medium, hashes in media.items():
+            self.add(replica, hashes, medium)
+
+    # -- speculative entries -----------------------------------------------------------------------
+    def add_speculative(self, replica: str, hashes: Sequence[int]) -> None:
+        """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``."""
+        if self.speculative_ttl <= 0 or not hashes:
+            return
+        bit = self._bit(replica)
+        until = self._clock() + self.speculative_ttl
+        spec, spec_until = self._spec_mask, self._spec_until
+        for h in hashes:
+            spec[h] = spec.get(h, 0) | bit
+            spec_until[(h, bit)] = until
+        self._spec_queue.append((until, bit, hashes))
+
+    def expire_speculative(self) -> None:
+        now = self._clock()
+        q, spec, spec_until = self._spec_queue, self._spec_mask, self._spec_until
+        while q and q[0][0] <= now:
+            _, bit, hashes = q.popleft()
+            for h in hashes:
+                key = (h, bit)
+                until = spec_until.get(key)
+                if until is not None and until <= now:
+                    del spec_until[key]
+                    v = spec.get(h, 0) & ~bit
+                    if v:
+                        spec[h] = v
+                    else:
+                        spec.pop(h, None)
+
+    # -- lookup -----------------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, Match]:
+        """Per replica, the leading run of ``hashes`` it holds (GPU or speculative), then the run
+        after that on its CPU tier (mirrors the engine's get_computed_blocks).
+
+        Args:
+            hashes: the request's block hash chain (event ints), block 0 first.
+            replicas: the candidates (default: every indexed replica). Unknown ones match 0.
+
+        Returns:
+            ``{replica: Match}`` for every candidate.
+        """
+        self.expire_speculative()
+        names = list(self._bits) if replicas is None else list(replicas)
+        out = {r: Match() for r in names}
+        bits = {self._bits[r]: r for r in names if r in self._bits}
+        if not bits or not hashes:
+            return out
+        gpu, spec, cpu = self._masks[GPU], self._spec_mask, self._masks[CPU]
+        alive = 0
+        for b in bits:
+            alive |= b
+        real = alive  # replicas whose GPU run so far is all real (not speculative)
+        n = len(hashes)
+        gpu_end: dict[int, int] = {}
+        i = 0
+        while i < n and alive:
+            h = hashes[i]
+            g = gpu.get(h, 0)
+            m = (g | spec.get(h, 0)) & alive
+            if m != alive:
+                dropped = alive & ~m
+                for b in bits:
+                    if dropped & b:
+                        gpu_end[b] = i
+                alive = m
+            spec_only = alive & real & ~g
+            if spec_only:
+                for b in bits:
+                    if spec_only & b:
+                        out[bits[b]].speculative = -i - 1  # marks: speculative from block i on
+                real &= ~spec_only
+            i += 1
+        for b in bits:
+            if alive & b:
+                gpu_end[b] = n
+        for b, r in bits.items():
+            g_end = gpu_end[b]
+            match = out[r]
+            if match.speculative < 0:
+                match.speculative = g_end - (-match.speculative - 1)
+            match.gpu = g_end
+            j = g_end
+            while j < n and cpu.get(hashes[j], 0) & b:
+                j += 1
+            match.cpu = j - g_end
+        return out
+
+    def has(self, replica: str, block_hash: int, medium: str = GPU) -> bool:
+        return self._counts.get((replica, medium), {}).get(block_hash, 0) > 0
+
+    def cached_set(self, replica: str, medium: str = GPU) -> dict[int, int]:
+        """A copy of ``{hash: copies}`` for (replica, medium) (tests, debugging)."""
+        return dict(self._counts.get((replica, medium), {}))

@@ -1,0 +1,160 @@
+"""In-flight load accounting, counted at selection and shared between routers (DESIGN.md §5).
+
+A request adds to its replica's load the moment it is routed, before it is dispatched, so a burst
+of concurrent requests spreads instead of piling onto the replica that looked idle. Its uncached
+prompt tokens count as pending prefill until the first token comes back; the request counts as in
+flight until it completes, fails or is cancelled. Several routers share their counts through Redis
+(``RedisLoadSync``): each publishes its own per-replica counts with a TTL and adds the others'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import redis
+
+from kvroute.redis_layout import RedisLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One routed request's share of its replica's load; release it exactly once per stage."""
+
+    replica_id: str
+    prefill_tokens: int
+    prefill_done: bool = False
+    finished: bool = False
+
+
+class LoadTracker:
+    """Per replica: requests in flight and prompt tokens not yet prefilled, local + other routers'.
+
+    Thread-safe (the gRPC loop updates it, the sync thread reads and merges it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()
+        self._remote: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def begin(self, replica_id: str, prefill_tokens: int) -> Ticket:
+        with self._lock:
+            self._in_flight[replica_id] += 1
+            self._pending[replica_id] += prefill_tokens
+        return Ticket(replica_id, prefill_tokens)
+
+    def prefill_done(self, ticket: Ticket) -> None:
+        """The first token arrived: the prompt is computed (idempotent)."""
+        with self._lock:
+            if not ticket.prefill_done:
+                ticket.prefill_done = True
+                self._pending[ticket.replica_id] -= ticket.prefill_tokens
+                if self._pending[ticket.replica_id] <= 0:
+                    del self._pending[ticket.replica_id]
+
+    def finish(self, ticket: Ticket) -> None:
+        """Completed, failed or cancelled (idempotent)."""
+        self.prefill_done(ticket)
+        with self._lock:
+            if not ticket.finished:
+                ticket.finished = True
+                self._in_flight[ticket.replica_id] -= 1
+                if self._in_flight[ticket.replica_id] <= 0:
+                    del self._in_flight[ticket.replica_id]
+
+    def local(self) -> dict[str, tuple[int, int]]:
+        """This router's ``{replica: (in_flight, pending_prefill_tokens)}``."""
+        with self._lock:
+            keys = set(self._in_flight) | set(self._pending)
+            return {r: (self._in_flight[r], self._pending[r]) for r in keys}
+
+    def set_remote(self, router_id: str, counts: dict[str, tuple[int, int]] | None) -> None:
+        with self._lock:
+            if counts is None:
+                self._remote.pop(router_id, None)
+            else:
+                self._remote[router_id] = counts
+
+    def remote_routers(self) -> list[str]:
+        with self._lock:
+            return list(self._remote)
+
+    def totals(self, replica_id: str) -> tuple[int, int]:
+        """(in_flight, pending_prefill_tokens) for ``replica_id`` over every router."""
+        with self._lock:
+            f, p = self._in_flight[replica_id], self._pending[replica_id]
+            for counts in self._remote.values():
+                rf, rp = counts.get(replica_id, (0, 0))
+                f += rf
+                p += rp
+            return f, p
+
+
+class RedisLoadSync:
+    """Publishes this router's load to Redis and reads the other routers', every ``interval`` s.
+
+    Keys expire after ``ttl`` seconds, so a router that dies stops counting on its own.
+    """
+
+    def __init__(
+        self, redis_url: str, layout: RedisLayout, router_id: str, tracker: LoadTracker,
+        interval: float = 0.2, ttl: float = 3.0,
+    ):
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=1)
+        self.layout = layout
+        self.router_id = router_id
+        self.tracker = tracker
+        self.interval = interval
+        self.ttl_ms = int(ttl * 1000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="router-load-sync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        with contextlib.suppress(redis.RedisError):
+            self._redis.delete(self.layout.router_load_key(self.router_id))
+        self._redis.close()
+
+    def sync_once(self) -> None:
+        own_key = self.layout.router_load_key(self.router_id)
+        local = self.tracker.local()
+        pipe = self._redis.pipeline()
+        pipe.delete(own_key)
+        if local:
+            pipe.hset(own_key, mapping={r: f"{f},{p}" for r, (f, p) in local.items()})
+            pipe.pexpire(own_key, self.ttl_ms)
+        pipe.execute()
+        seen = set()
+        for key in self._redis.scan_iter(match=self.layout.router_load_pattern(), count=100):
+            k = key.decode()
+            if k == own_key:
+                continue
+            other = k.rsplit(":", 1)[-1]
+            seen.add(other)
+            raw = self._redis.hgetall(key)
+            counts = {}
+            for r, v in raw.items():
+                f, p = v.decode().split(",")
+                counts[r.decode()] = (int(f), int(p))
+            self.tracker.set_remote(other, counts)
+        for other in self.tracker.remote_routers():
+            if other not in seen:
+                self.tracker.set_remote(other, None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sync_once()
+            except (redis.RedisError, ValueError) as e:
+                log.debug("router load sync failed: %s", e)

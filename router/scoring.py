@@ -1,0 +1,225 @@
+"""Routing policies and the default cost model (DESIGN.md §5). Pure functions, no I/O.
+
+The default policy, ``kvroute``, estimates each replica's time to first token for this request::
+
+    cost(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s   # TTFT: queue + own prefill
+            + running(r) * decode_seconds_per_running                                   # TTFT: decode load
+            + prefill_work_weight * uncached_tokens(r) / prefill_tokens_per_s           # work added to the cluster
+            + kv_usage(r) * kv_usage_weight + in_flight(r) * in_flight_weight           # optional terms
+
+    uncached_tokens(r) = prompt_tokens - block_size * (gpu_blocks(r) + cpu_match_weight * cpu_blocks(r))
+
+and picks the lowest cost; exact ties are broken at random (seeded), never by list position.
+
+Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
+being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
+(528 tokens), so TTFT alone sends it to R2, and a burst ends up computing its prefix once per
+replica. Charging the prefill a request adds to the cluster (weight 1 by default) keeps the burst
+on the replica that already holds or is computing the prefix, until its queue outgrows the work
+saved, which is also when the cached replica really is the slower choice.
+Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
+a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
+the baselines the bench compares against.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from router.index import Match
+
+
+@dataclass(frozen=True)
+class ScoringWeights:
+    """Knobs of the cost model (settings ``--prefill-tokens-per-s`` etc.)."""
+
+    prefill_tokens_per_s: float = 20000.0  # a replica's prefill throughput estimate
+    decode_seconds_per_running: float = 0.002  # TTFT added per running sequence (decode interference)
+    prefill_work_weight: float = 1.0  # weight of the prefill work this request adds to the cluster
+    cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
+    kv_usage_weight: float = 0.0  # seconds added at 100% KV usage
+    in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
+        if not 0.0 <= self.cpu_match_weight <= 1.0:
+            raise ValueError(f"cpu_match_weight: must be in [0, 1], got {self.cpu_match_weight}")
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What scoring needs of a request: its prompt length and block size, in tokens."""
+
+    prompt_tokens: int
+    block_size: int
+
+
+@dataclass
+class Candidate:
+    """A routable replica as the scorers see it."""
+
+    replica_id: str
+    match: Match = field(default_factory=Match)
+    queued_prefill_tokens: int = 0  # prompt tokens waiting to be computed there (heartbeat + routers)
+    running: int = 0
+    in_flight: int = 0  # requests the routers have sent and not seen finish
+    kv_usage: float = 0.0
+
+    def cached_tokens(self, req: RequestShape) -> int:
+        """Tokens of this request the replica is predicted to serve from its prefix cache (GPU+CPU).
+        The engine always recomputes the last prompt token, hence the cap."""
+        return min((self.match.gpu + self.match.cpu) * req.block_size, max(req.prompt_tokens - 1, 0))
+
+
+Scorer = Callable[[Candidate, RequestShape, ScoringWeights], float]
+
+
+def uncached_tokens(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    """Prompt tokens the replica must compute: a GPU block saves its tokens, a CPU-tier block
+    ``cpu_match_weight`` of them; the last prompt token is always computed."""
+    saved = req.block_size * (c.match.gpu + w.cpu_match_weight * c.match.cpu)
+    return max(req.prompt_tokens - saved, 1.0)
+
+
+def prefix_queue_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    """Seconds to prefill what is queued on the replica plus this request's uncached tokens."""
+    return (c.queued_prefill_tokens + uncached_tokens(c, req, w)) / w.prefill_tokens_per_s
+
+
+def prefill_work_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    """The prefill this request adds to the cluster, in seconds, weighted (module docstring)."""
+    return w.prefill_work_weight * uncached_tokens(c, req, w) / w.prefill_tokens_per_s
+
+
+def decode_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    """Decode interference: each running sequence shares the step with our prefill."""
+    return c.running * w.decode_seconds_per_running
+
+
+def kv_usage_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    return c.kv_usage * w.kv_usage_weight
+
+
+def in_flight_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    return c.in_flight * w.in_flight_weight
+
+
+DEFAULT_SCORERS: dict[str, Scorer] = {
+    "prefix_queue": prefix_queue_scorer,
+    "decode": decode_scorer,
+    "prefill_work": prefill_work_scorer,
+    "kv_usage": kv_usage_scorer,
+    "in_flight": in_flight_scorer,
+}
+
+
+@dataclass
+class Scored:
+    """One candidate's cost, total and per scorer (seconds; lower is better)."""
+
+    candidate: Candidate
+    cost: float
+    terms: dict[str, float]
+
+
+class Policy:
+    """Chooses one candidate. ``choose`` returns the pick (None when there is no candidate) and
+    every candidate's score (policies without a cost model report cost 0)."""
+
+    name = "policy"
+
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+        raise NotImplementedError
+
+
+class KVRoutePolicy(Policy):
+    """Lowest estimated TTFT (module docstring); exact ties at random from a seeded generator."""
+
+    name = "kvroute"
+
+    def __init__(
+        self,
+        weights: ScoringWeights | None = None,
+        scorers: dict[str, Scorer] | None = None,
+        rng: random.Random | None = None,
+    ):
+        self.weights = weights or ScoringWeights()
+        self.scorers = dict(DEFAULT_SCORERS if scorers is None else scorers)
+        self.rng = rng or random.Random()
+
+    def score(self, c: Candidate, req: RequestShape) -> Scored:
+        terms = {name: fn(c, req, self.weights) for name, fn in self.scorers.items()}
+        return Scored(c, sum(terms.values()), terms)
+
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+        scored = [self.score(c, req) for c in cands]
+        if not scored:
+            return None, scored
+        best = min(s.cost for s in scored)
+        ties = [s.candidate for s in scored if s.cost == best]
+        return (ties[0] if len(ties) == 1 else self.rng.choice(ties)), scored
+
+
+class RoundRobinPolicy(Policy):
+    """Cycles through the candidates in replica-id order (the classic baseline)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+        scored = [Scored(c, 0.0, {}) for c in cands]
+        if not cands:
+            return None, scored
+        ordered = sorted(cands, key=lambda c: c.replica_id)
+        pick = ordered[self._next % len(ordered)]
+        self._next += 1
+        return pick, scored
+
+
+class LeastLoadedPolicy(Policy):
+    """Fewest in-flight + running + waiting requests, ignoring the cache; ties at random."""
+
+    name = "least_loaded"
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+        scored = [Scored(c, float(c.in_flight + c.running), {}) for c in cands]
+        if not scored:
+            return None, scored
+        best = min(s.cost for s in scored)
+        return self.rng.choice([s.candidate for s in scored if s.cost == best]), scored
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+        scored = [Scored(c, 0.0, {}) for c in cands]
+        return (self.rng.choice(list(cands)) if cands else None), scored
+
+
+POLICY_NAMES = ("kvroute", "round_robin", "least_loaded", "random")
+
+
+def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | None = None) -> Policy:
+    """A policy by name. Raises ValueError naming the valid ones."""
+    rng = random.Random(seed)
+    if name == "kvroute":
+        return KVRoutePolicy(weights, rng=rng)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy(rng)
+    if name == "random":
+        return RandomPolicy(rng)
+    raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICY_NAMES)}")

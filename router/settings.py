@@ -1,0 +1,65 @@
+"""The router process's settings: ``kvroute router --flag`` or ``KVROUTE_FLAG`` (kvroute.settings)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
+from kvroute.redis_layout import DEFAULT_NAMESPACE
+from kvroute.settings import setting
+from router.scoring import POLICY_NAMES, ScoringWeights
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Every setting of one router process (flags override ``KVROUTE_*`` variables)."""
+
+    host: str = setting("127.0.0.1", "gRPC listen address")
+    port: int = setting(50050, "gRPC port (0 = pick a free one)")
+    router_id: str = setting("", "unique id among routers (default hostname-port)")
+    metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding the replicas' events and heartbeats")
+    namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
+    event_shards: int = setting(1, "number of event streams the cluster shards over")
+    discovery: str = setting("redis", "how replicas are found", choices=("static", "redis", "kubernetes"))
+    replicas: str = setting("", "static discovery: comma-separated host:port list")
+    k8s_namespace: str = setting("default", "kubernetes discovery: namespace of the replica Service")
+    k8s_service: str = setting("kvroute-replica", "kubernetes discovery: the replica Service name")
+    k8s_port_name: str = setting("grpc", "kubernetes discovery: the EndpointSlice port name")
+    model: str = setting("", "model folder whose tokenizer.json / tokenizer_config.json the router uses"
+                             " (default: the generated default model)")
+    model_cache_dir: str = setting("", "where the default model lives (default ~/.cache/kvroute/models)")
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "KV block size; replicas with another one are not routable")
+    hash_algorithm: str = setting("sha256_cbor", "block hash algorithm", choices=HASH_ALGORITHMS)
+    hash_seed: str = setting(DEFAULT_SEED, "block hash seed (must match the replicas')")
+    policy: str = setting("kvroute", "routing policy", choices=POLICY_NAMES)
+    seed: int = setting(-1, "seed of the tie-breaking generator (-1 = random)")
+    prefill_tokens_per_s: float = setting(ScoringWeights.prefill_tokens_per_s, "a replica's prefill rate estimate")
+    decode_seconds_per_running: float = setting(
+        ScoringWeights.decode_seconds_per_running, "TTFT added per running sequence"
+    )
+    prefill_work_weight: float = setting(
+        ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"
+    )
+    cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
+    kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at 100% KV usage")
+    in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
+    speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
+    heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
+    load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
+    max_retries: int = setting(2, "other replicas tried when one fails before the first token")
+
+    @property
+    def resolved_router_id(self) -> str:
+        return self.router_id or f"{socket.gethostname()}-{self.port}"
+
+    def weights(self) -> ScoringWeights:
+        return ScoringWeights(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_seconds_per_running=self.decode_seconds_per_running,
+            prefill_work_weight=self.prefill_work_weight,
+            cpu_match_weight=self.cpu_match_weight,
+            kv_usage_weight=self.kv_usage_weight,
+            in_flight_weight=self.in_flight_weight,
+        )

@@ -1,0 +1,170 @@
+"""Hand-worked routing decisions (router acceptance 1-4): hashing + index + load + the kvroute cost.
+
+Numbers: block_size 16, prefill rate 1,000 tokens/s (so 1 token = 1 ms), decode term 2 ms per
+running sequence, prefill-work weight 1 (each uncached token costs 1 ms more), no kv-usage or
+in-flight terms. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.hashing import BlockHasher, BlockHashKeys
+from router.core import Router
+from router.index import BlockIndex
+from router.load import LoadTracker
+from router.registry import ReplicaRegistry
+from router.scoring import KVRoutePolicy, ScoringWeights
+
+B = 16
+WEIGHTS = ScoringWeights(prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.002)
+
+
+def make_router(replicas, seed=0, weights=WEIGHTS, hasher=None):
+    hasher = hasher or BlockHasher(block_size=B)
+    registry = ReplicaRegistry(hasher.identity, "redis")
+    for i, rid in enumerate(replicas):
+        registry.update_from_heartbeat(heartbeat(rid, i, hasher), now=0.0)
+    router = Router(hasher, BlockIndex(speculative_ttl=60.0), registry, LoadTracker(),
+                    KVRoutePolicy(weights, rng=random.Random(seed)))
+    return router
+
+
+def heartbeat(rid, i, hasher, **load):
+    algorithm, digest, block_size = hasher.identity
+    fields = {
+        "replica_id": rid, "address": f"127.0.0.1:{7000 + i}", "epoch": "1", "last_seq": "0", "model": "m",
+        "block_size": str(block_size), "hash_algorithm": algorithm, "hash_seed_digest": digest,
+        "num_blocks": "1000", "free_blocks": "999", "running": "0", "waiting": "0", "usage": "0.0",
+        "queued_prefill_tokens": "0", "ts": "0",
+    }
+    fields.update({k: str(v) for k, v in load.items()})
+    return fields
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(10, 30000) for _ in range(n)]
+
+
+def route(router, tokens, salt=None):
+    d = router.decide(tokens, salt)
+    router.commit(d)
+    return d.picked.replica_id
+
+
+def test_nine_disjoint_requests_split_three_ways_counted_at_selection():
+    router = make_router(["R1", "R2", "R3"], seed=7)
+    picks = [route(router, prompt(i, 160)) for i in range(9)]
+    assert sorted(picks.count(r) for r in ("R1", "R2", "R3")) == [3, 3, 3]
+    # Same seed, same decisions.
+    again = make_router(["R1", "R2", "R3"], seed=7)
+    assert [route(again, prompt(i, 160)) for i in range(9)] == picks
+
+
+def test_request_sharing_two_blocks_with_one_on_r2_goes_to_r2():
+    router = make_router(["R1", "R2", "R3"], seed=1)
+    prompts = [prompt(i, 160) for i in range(9)]
+    picks = [route(router, p) for p in prompts]
+    on_r2 = prompts[picks.index("R2")]
+    follow_up = on_r2[: 2 * B] + prompt(99, 128)
+    d = router.decide(follow_up)
+    # Every replica has 3 x 160 queued tokens; R2 saves 32: 480 + 2 x 128 = 736 ms vs 480 + 2 x 160.
+    assert d.picked.replica_id == "R2"
+    assert d.score_of("R2").candidate.match.gpu == 2
+    assert d.score_of("R2").cost == pytest.approx((480 + 2 * 128) / 1000)
+    assert d.score_of("R1").cost == pytest.approx((480 + 2 * 160) / 1000)
+
+
+def setup_r1_busy(r1_queued):
+    """R1 holds the first 2 blocks of P (and 90% of P2) with 10 requests running; R2 is idle."""
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2"], hasher=hasher)
+    router.registry.update_from_heartbeat(
+        heartbeat("R1", 0, hasher, running=10, queued_prefill_tokens=r1_queued), now=0.0
+    )
+    p2 = prompt(5, 320)  # 20 blocks
+    router.index.add("R1", hasher.event_ints(p2)[:18])  # 288 of 320 tokens cached = 90%
+    return router, p2
+
+
+def test_request_matching_nothing_goes_to_the_idle_replica():
+    router, _ = setup_r1_busy(r1_queued=0)
+    d = router.decide(prompt(6, 320))
+    # R1: 2 x 320 ms + 10 x 2 ms decode; R2: 2 x 320 ms.
+    assert d.picked.replica_id == "R2"
+    assert d.score_of("R1").cost == pytest.approx(0.660)
+    assert d.score_of("R2").cost == pytest.approx(0.640)
+
+
+def test_ninety_percent_cached_goes_to_r1_while_its_queue_is_short():
+    # R1: q + 2 x 32 + 20 ms ; R2: 2 x 320 = 640 ms -> R1 wins while q < 556 tokens.
+    router, p2 = setup_r1_busy(r1_queued=555)
+    d = router.decide(p2)
+    assert d.score_of("R1").cost == pytest.approx((555 + 64 + 20) / 1000)
+    assert d.score_of("R2").cost == pytest.approx(0.640)
+    assert d.picked.replica_id == "R1"
+    assert d.predicted_cached_tokens == 288
+
+
+def test_ninety_percent_cached_goes_to_r2_once_r1_queue_makes_it_slower():
+    router, p2 = setup_r1_busy(r1_queued=557)
+    d = router.decide(p2)
+    assert d.score_of("R1").cost == pytest.approx((557 + 64 + 20) / 1000)
+    assert d.picked.replica_id == "R2"
+
+
+def test_longer_match_wins_in_every_insertion_order():
+    hasher = BlockHasher(block_size=4)
+    tokens = list(range(1, 25))  # 6 blocks of 4
+    chain = hasher.event_ints(tokens)
+    for order in (["R1", "R2"], ["R2", "R1"]):
+        router = make_router(order, hasher=hasher)
+        for rid in order:
+            router.index.add(rid, chain[: 2 if rid == "R1" else 5])  # R1: 8 tokens, R2: 20 tokens
+        d = router.decide(tokens)
+        assert {s.candidate.replica_id: s.candidate.match.gpu * 4 for s in d.scored} == {"R1": 8, "R2": 20}
+        assert d.picked.replica_id == "R2"
+
+
+def test_tenants_with_different_cache_salt_never_share_blocks():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2"], hasher=hasher)
+    tokens = prompt(11, 96)
+    router.index.add("R1", hasher.event_ints(tokens, BlockHashKeys(cache_salt="tenant-a")))
+    a = router.decide(tokens, "tenant-a")
+    b = router.decide(tokens, "tenant-b")
+    plain = router.decide(tokens)
+    assert a.score_of("R1").candidate.match.gpu == 6
+    assert b.score_of("R1").candidate.match.gpu == 0
+    assert plain.score_of("R1").candidate.match.gpu == 0
+    assert a.block_hashes[1:] != b.block_hashes[1:]  # the salt on block 0 changes the whole chain
+
+
+def test_replica_with_another_block_size_or_seed_is_not_routable_and_says_why():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1"], hasher=hasher)
+    bad_bs = heartbeat("R2", 1, hasher, block_size=32)
+    bad_seed = heartbeat("R3", 2, BlockHasher(seed="other", block_size=B))
+    router.registry.update_from_heartbeat(bad_bs, now=0.0)
+    router.registry.update_from_heartbeat(bad_seed, now=0.0)
+    assert [r.replica_id for r in router.registry.routable()] == ["R1"]
+    assert "block_size" in router.registry.get("R2").reason and "32" in router.registry.get("R2").reason
+    assert "seed" in router.registry.get("R3").reason
+    assert router.decide(prompt(1, 64)).picked.replica_id == "R1"
+
+
+def test_burst_sharing_a_new_prefix_lands_on_one_replica_through_speculative_entries():
+    router = make_router(["R1", "R2", "R3"], seed=3)
+    prefix = prompt(42, 512)
+    picks = [route(router, prefix + prompt(100 + i, 16)) for i in range(30)]
+    # Request k on the first replica: (528 + 16 (k - 1)) + 2 x 16 vs 2 x 528 elsewhere: stays put.
+    assert len(set(picks)) == 1
+
+
+def test_no_routable_replica_gives_no_pick_and_a_reason():
+    router = make_router([])
+    d = router.decide(prompt(1, 40))
+    assert d.picked is None and "no replica" in d.reason

@@ -1,0 +1,124 @@
+"""ReplicaRegistry: heartbeats, discovery and hash compatibility decide routability (router/registry.py,
+DESIGN.md §2, §5)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvroute.hashing import BlockHasher
+from router.registry import ReplicaRegistry
+
+ROUTER = BlockHasher().identity  # ("sha256_cbor", "9bd96a485ad84efd", 16)
+
+
+def heartbeat(replica_id: str = "replica-0", address: str = "10.0.0.1:50051", **fields: str) -> dict[str, str]:
+    algorithm, digest, block_size = ROUTER
+    return {
+        "replica_id": replica_id, "address": address, "epoch": "7", "last_seq": "42", "model": "tiny",
+        "block_size": str(block_size), "hash_algorithm": algorithm, "hash_seed_digest": digest,
+        "num_blocks": "64", "free_blocks": "40", "running": "2", "waiting": "1", "usage": "0.375",
+        "queued_prefill_tokens": "96", "ts": "1700000000.0", **fields,
+    }
+
+
+def test_a_heartbeat_is_parsed_and_a_compatible_replica_is_routable():
+    registry = ReplicaRegistry(ROUTER, "redis")
+    info = registry.update_from_heartbeat(heartbeat(), now=12.5)
+    assert (info.epoch, info.last_seq, info.block_size, info.num_blocks, info.free_blocks) == (7, 42, 16, 64, 40)
+    assert (info.running, info.waiting, info.usage, info.queued_prefill_tokens) == (2, 1, 0.375, 96)
+    assert (info.heartbeat_at, info.model, info.address) == (12.5, "tiny", "10.0.0.1:50051")
+    assert info.discovered and info.hash_compatible and info.routable and info.reason == ""
+    assert registry.routable() == [info] and registry.get("replica-0") is info and registry.all() == [info]
+
+
+def test_the_router_identity_is_the_design_default():
+    assert ROUTER == ("sha256_cbor", "9bd96a485ad84efd", 16)  # DESIGN.md §2: NONE_HASH starts 9bd96a485ad84efd
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"block_size": "32"}, "block_size 32 != router's 16"),
+        ({"hash_seed_digest": "4e1195df020de59e"}, "hash_seed_digest 4e1195df020de59e != router's 9bd96a485ad84efd"),
+        ({"hash_algorithm": "xxhash_cbor"}, "hash_algorithm xxhash_cbor != router's sha256_cbor"),
+        ({"block_size": "sixteen"}, "bad heartbeat fields: block_size='sixteen'; block_size 0 != router's 16"),
+    ],
+)
+def test_a_replica_with_a_different_hash_triple_is_not_routable_and_says_why(fields, reason):
+    registry = ReplicaRegistry(ROUTER, "redis")
+    info = registry.update_from_heartbeat(heartbeat(**fields), now=0.0)
+    assert not info.routable and not info.hash_compatible and info.discovered
+    assert info.reason == reason
+    assert registry.routable() == [] and registry.num_incompatible == 1
+
+
+def test_an_incompatible_replica_is_logged_once_at_error(caplog):
+    registry = ReplicaRegistry(ROUTER, "redis")
+    with caplog.at_level(logging.ERROR, logger="router.registry"):
+        for t in range(5):
+            registry.update_from_heartbeat(heartbeat(block_size="32"), now=float(t))
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "replica-0" in errors[0].getMessage() and "block_size 32 != router's 16" in errors[0].getMessage()
+    registry.update_from_heartbeat(heartbeat(block_size="16"), now=6.0)  # restarted, fixed
+    assert registry.num_incompatible == 0 and registry.get("replica-0").routable
+
+
+def test_static_discovery_needs_the_heartbeat_address_in_the_discovered_set():
+    registry = ReplicaRegistry(ROUTER, "static")
+    a = registry.update_from_heartbeat(heartbeat("replica-a", "10.0.0.1:50051"), now=0.0)
+    assert not a.routable and a.reason == "address 10.0.0.1:50051 not discovered (static discovery)"
+    registry.set_discovered({"10.0.0.1:50051", "10.0.0.9:50051"})
+    assert [i.replica_id for i in registry.routable()] == ["replica-a"]
+    b = registry.update_from_heartbeat(heartbeat("replica-b", "10.0.0.2:50051"), now=0.0)
+    assert not b.discovered
+    registry.set_discovered({"10.0.0.2:50051"})
+    assert [i.replica_id for i in registry.routable()] == ["replica-b"]
+
+
+def test_redis_discovery_discovers_every_heartbeating_replica():
+    registry = ReplicaRegistry(ROUTER, "redis")
+    registry.set_discovered(set())  # ignored in this mode
+    assert registry.update_from_heartbeat(heartbeat(address="anywhere:1"), now=0.0).routable
+
+
+def test_on_removed_runs_when_a_replica_expires_or_stops_being_routable():
+    registry = ReplicaRegistry(ROUTER, "kubernetes")
+    removed: list[str] = []
+    registry.add_listener(removed.append)
+    registry.set_discovered({"10.0.0.1:50051", "10.0.0.2:50051"})
+    registry.update_from_heartbeat(heartbeat("replica-a", "10.0.0.1:50051"), now=0.0)
+    registry.update_from_heartbeat(heartbeat("replica-b", "10.0.0.2:50051"), now=0.0)
+    registry.update_from_heartbeat(heartbeat("replica-c", "10.0.0.3:50051"), now=0.0)  # never routable
+    assert removed == []
+    registry.set_discovered({"10.0.0.2:50051"})  # discovery dropped replica-a
+    assert removed == ["replica-a"]
+    registry.update_from_heartbeat(heartbeat("replica-b", "10.0.0.2:50051", block_size="32"), now=1.0)
+    assert removed == ["replica-a", "replica-b"]  # restarted with another block_size
+    registry.expire("replica-c")
+    registry.expire("replica-unknown")  # nothing to do
+    assert removed == ["replica-a", "replica-b", "replica-c"]
+    assert registry.get("replica-c") is None and {i.replica_id for i in registry.all()} == {"replica-a", "replica-b"}
+
+
+def test_a_listener_that_raises_does_not_stop_the_others():
+    registry = ReplicaRegistry(ROUTER, "redis")
+    removed: list[str] = []
+
+    def broken(replica_id: str) -> None:
+        raise RuntimeError("boom")
+
+    registry.add_listener(broken)
+    registry.add_listener(removed.append)
+    registry.update_from_heartbeat(heartbeat(), now=0.0)
+    registry.expire("replica-0")
+    assert removed == ["replica-0"]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="discovery: unknown mode"):
+        ReplicaRegistry(ROUTER, "dns")
+    with pytest.raises(ValueError, match="missing replica_id"):
+        ReplicaRegistry(ROUTER).update_from_heartbeat({"address": "x:1"}, now=0.0)
