@@ -412,7 +412,9 @@ class ReplicaFrontend:
         return rep_pb.Load(
             replica_id=self.replica_id, running=s.running, waiting=max(s.waiting, len(self._awaiting)),
             kv_usage=s.kv_usage, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
-            queued_prefill_tokens=s.queued_prefill_tokens,
+            queued_prefill_tokens=s.queued_prefill_tokens, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_cpu_hits=s.prefix_cache_cpu_hits,
+            preemptions=s.preemptions,
         )
 
     def model_info(self) -> gen_pb.ModelInfo:
