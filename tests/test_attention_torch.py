@@ -166,3 +166,121 @@ def test_select_backend_on_cpu_is_torch_and_rejects_unknown_names():
         select_backend("cpu", "xformers")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("cpu", "flash_attn")
+
+
+# ---------------------------------------------------------------------------------------------
+# batched decodes (one gather + SDPA per length bucket) against the per-request references
+
+
+def _random_decode_case(seed: int, num_reqs: int, max_len: int, block_size: int, num_blocks: int):
+    """Random (query_len, seq_len) requests, mostly decodes with a few prefill chunks among them
+    (so decode rows are not contiguous), lengths from 1 to max_len."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (num_reqs,), generator=gen).tolist()
+    chunk = torch.randint(0, 4, (num_reqs,), generator=gen).tolist()
+    requests = [(min(s, 3) if c == 0 else 1, s) for s, c in zip(lens, chunk, strict=True)]
+    assert sum(-(-s // block_size) for _, s in requests) <= num_blocks - 2
+    return requests
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4), (6, 3), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_batched_decodes_on_random_block_tables_match_naive_attention(num_heads, num_kv_heads, block_size):
+    requests = _random_decode_case(
+        seed=block_size + num_heads, num_reqs=12, max_len=70, block_size=block_size, num_blocks=1024
+    )
+    num_tokens = sum(q for q, _ in requests)
+    check_against_reference(
+        requests, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, num_blocks=1024,
+        pad_to=num_tokens + 5,
+    )  # fmt: skip
+
+
+def test_batched_bfloat16_decodes_with_a_mask_match_naive_attention_loosely():
+    check_against_reference([(1, 9), (1, 3), (5, 14), (1, 30)], dtype=torch.bfloat16, atol=3e-2, pad_to=12)
+
+
+def test_batched_decodes_equal_one_request_at_a_time():
+    # The batch (padded, masked, in length buckets) against the same backend fed one request per
+    # call (no padding, no mask): the same numbers up to float32 rounding.
+    requests = [(1, 3), (1, 40), (1, 17), (1, 64), (1, 1), (1, 33), (1, 16)]
+    out, md, cache, full_k, full_v, queries, tables, scale = run_case(requests, block_size=4, num_blocks=128)
+    backend = TorchAttentionBackend()
+    for i, (_, seq_len) in enumerate(requests):
+        one, _ = build_attention_metadata([1], [seq_len], [tables[i]], 4)
+        got = backend.forward(queries[i], full_k[i][-1:], full_v[i][-1:], cache, one, scale)
+        torch.testing.assert_close(out[i : i + 1], got, atol=1e-6, rtol=1e-6)
+
+
+def test_decodes_of_very_different_lengths_split_into_buckets_and_still_match(monkeypatch):
+    import replica.attention.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_BUCKET_OVERHEAD_BYTES", 1)  # one bucket per distinct length
+    requests = [(1, 50), (1, 2), (4, 9), (1, 31), (1, 2), (1, 50), (1, 7)]
+    _, md, cache, *_ = check_against_reference(requests, block_size=4, num_blocks=64, pad_to=16)
+    plan = torch_backend.build_decode_plan(md, cache, torch.float32)
+    assert plan.prefill_reqs == (2,)
+    assert len(plan.buckets) == 4  # 2, 7, 31 and 50 tokens
+    rows = []
+    for bucket in plan.buckets:
+        r = bucket.rows
+        rows += list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist()
+    decode_rows = [0, 1, 6, 7, 8, 9]  # query rows of the six decodes (request 2 takes rows 2..5)
+    assert sorted(rows) == decode_rows
+
+
+def test_decode_bucket_capped_by_bytes_still_matches(monkeypatch):
+    import replica.attention.torch_backend as torch_backend
+
+    # 2 heads of 8 dims, block_size 4: a block pair is 2 * 4 * 2 * 8 * 4 = 512 bytes; a cap of 8
+    # blocks forces one bucket per request or two.
+    monkeypatch.setattr(torch_backend, "_MAX_BUCKET_BYTES", 8 * 512)
+    requests = [(1, 13), (1, 14), (1, 15), (1, 16), (1, 5)]
+    _, md, cache, *_ = check_against_reference(requests, block_size=4, num_blocks=64)
+    plan = torch_backend.build_decode_plan(md, cache, torch.float32)
+    assert all(b.num_reqs * b.num_blocks <= 8 for b in plan.buckets)
+    assert sum(b.num_reqs for b in plan.buckets) == len(requests)
+
+
+def test_block_table_cells_past_a_rows_blocks_are_never_read():
+    # An engine may pass a persistent table whose rows are longer than each request needs; the
+    # cells past a row's blocks name blocks that hold NaN here, and must not reach the output.
+    block_size, num_blocks = 4, 32
+    requests = [(1, 5), (1, 9), (1, 2)]
+    out, md, cache, full_k, full_v, queries, tables, scale = run_case(requests, block_size=block_size,
+                                                                      num_blocks=num_blocks)  # fmt: skip
+    poisoned = [b for b in range(1, num_blocks) if all(b not in t for t in tables)][:3]
+    cache[:, poisoned] = float("nan")
+    table = torch.full((len(requests), 6), poisoned[0], dtype=torch.int32).numpy()
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+        table[i, len(t) :] = poisoned[i % len(poisoned)]
+    md2, _ = build_attention_metadata([1, 1, 1], [s for _, s in requests], table, block_size)
+    q = torch.cat(queries)
+    k = torch.stack([fk[-1] for fk in full_k])
+    v = torch.stack([fv[-1] for fv in full_v])
+    got = TorchAttentionBackend().forward(q, k, v, cache, md2, scale)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, out, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_plan_is_built_once_per_step_and_shared_by_every_layer():
+    requests = [(1, 6), (3, 3), (1, 11)]
+    out, md, cache, *_ = run_case(requests)
+    assert len(md.derived) == 1
+    plan = next(iter(md.derived.values()))
+    second = cache.clone()
+    q, kv = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    TorchAttentionBackend().forward(q, kv, kv, second, md, 0.3)
+    assert len(md.derived) == 1 and next(iter(md.derived.values())) is plan
+
+
+def test_pure_decode_step_with_uniform_lengths_needs_no_mask_and_no_zero_fill():
+    import replica.attention.torch_backend as torch_backend
+
+    requests = [(1, 12), (1, 12), (1, 12)]
+    _, md, cache, *_ = check_against_reference(requests)
+    plan = torch_backend.build_decode_plan(md, cache, torch.float32)
+    assert plan.decodes_cover_all_rows
+    assert len(plan.buckets) == 1 and plan.buckets[0].mask is None
+    assert plan.buckets[0].rows == slice(0, 3)

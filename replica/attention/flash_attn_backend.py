@@ -89,7 +89,7 @@ class FlashAttnBackend:
                 f"got {block_size}; use the 'torch' attention backend"
             )
         n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
         common = dict(
             max_seqlen_q=metadata.max_query_len,
             max_seqlen_k=metadata.max_seq_len,

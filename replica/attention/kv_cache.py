@@ -41,21 +41,28 @@ def allocate_kv_caches(
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    all_valid: bool = False,
 ) -> None:
     """Store ``key`` / ``value`` [T, num_kv_heads, head_dim] at ``slot_mapping`` [T] (int64) of
     ``kv_cache`` (layout above), in place. Slots of -1 (padding) are skipped.
 
     Backends slice off the batch's padded tail first (``[:num_actual_tokens]``, free), so the
     common case is one ``index_copy_`` per K and V. Checking for an interior -1 reads one bool back
-    from the device (a host sync on CUDA); a fused cache-write kernel would remove it when CUDA
-    graphs need that.
+    from the device (a host sync on CUDA); ``all_valid=True`` skips it for callers that know there
+    is none (``build_attention_metadata`` only pads the tail, so its ``slot_mapping[:num_actual_tokens]``
+    never holds -1); a fused cache-write kernel would remove it when CUDA graphs need that.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots = slot_mapping
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
+    if not all_valid:
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
     flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,11 @@ class AttentionMetadata:
     - ``seq_lens``: int32 [B], tokens of each request after this step (context + queries).
     - ``slot_mapping``: int64 [T], KV slot of each token; -1 for padding (never written).
     - ``block_table``: int32 [B, max_blocks], each request's block ids, right-padded with 0.
-    - ``query_start_loc_cpu`` / ``seq_lens_cpu``: host copies of the two above, so that backends
-      that loop over requests don't synchronise with the device to read them.
+    - ``query_start_loc_cpu`` / ``seq_lens_cpu`` / ``block_table_cpu``: host copies of the three
+      above (the same tensors on CPU), so that backends planning on the host don't synchronise
+      with the device to read them.
+    - ``derived``: what a backend computes from these once per step and reuses in every layer
+      (e.g. the torch backend's decode buckets), keyed by the backend; starts empty.
     """
 
     num_actual_tokens: int
@@ -47,6 +51,8 @@ class AttentionMetadata:
     block_table: torch.Tensor
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    block_table_cpu: torch.Tensor
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
@@ -139,6 +145,7 @@ def build_attention_metadata(
     seq_lens_np = s.astype(np.int32)
     qsl_cpu = torch.from_numpy(query_start_loc)
     seq_lens_cpu = torch.from_numpy(seq_lens_np)
+    table_cpu = torch.from_numpy(table)
     metadata = AttentionMetadata(
         num_actual_tokens=num_actual,
         max_query_len=int(q.max()),
@@ -146,9 +153,10 @@ def build_attention_metadata(
         max_seq_len=int(s.max()),
         seq_lens=seq_lens_cpu.to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        block_table=torch.from_numpy(table).to(device),
+        block_table=table_cpu.to(device),
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
+        block_table_cpu=table_cpu,
     )
     return metadata, torch.from_numpy(positions).to(device)
 

@@ -1,10 +1,24 @@
-"""Paged attention in plain PyTorch: gather each request's K/V through its block table, then
+"""Paged attention in plain PyTorch: gather K/V through the block table, then
 ``scaled_dot_product_attention``. Runs on CPU and CUDA; the reference the fast backends are
 checked against.
+
+Decodes (query_len 1) are batched. Once per step a ``DecodePlan`` sorts them by length into a few
+buckets; then every layer runs one gather and one masked SDPA call per bucket::
+
+    decodes sorted by blocks:  [ r3 r0 r5 | r1 r4 | r2 ]   a bucket closes where padding its rows to
+                                 bucket 0   b 1    b 2     the next length costs more than one call
+    per bucket, per layer:     kv_cache.view(2 * num_blocks, B, Hkv, D).index_select(K ids, V ids)
+                               -> K, V [n, Hkv, S, D] (strided views of the copy) -> SDPA with q as
+                               [n, Hkv, group, D] and an additive mask (-inf at positions >= seq_len)
+
+Prefill chunks (query_len > 1) run one SDPA call each on exactly their ``seq_len`` keys.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -14,23 +28,160 @@ from replica.attention.metadata import AttentionMetadata
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
+# Bucketing cost model: one more bucket costs about what gathering and attending this many bytes
+# of padding does. Its index_select, SDPA call and row scatter take ~40-80 us on one CPU thread;
+# K/V go through gather + SDPA at ~10 GB/s. For the default model (4 KV heads of 32, fp32) a
+# 16-token block pair is 16 KiB, so up to 64 blocks of padding stay in one bucket. Measured per
+# layer (this code, one thread): 32 decodes of 32-160 tokens 0.84-1.0 ms for 1 to 4 buckets,
+# 64 decodes of 32-914 tokens 8.3-9.7 ms for 3 to 14 buckets: a flat optimum, so coarse is fine.
+_BUCKET_OVERHEAD_BYTES = 2**20
+# A bucket's gather is capped at this many bytes (a single longer request still gets its own
+# bucket): it bounds the reusable gather buffer, which a step with many long decodes would
+# otherwise grow to their whole padded K/V.
+_MAX_BUCKET_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class DecodeBucket:
+    """Decodes attended in one SDPA call.
+
+    ``rows``: their query rows in the flattened batch (a slice when consecutive). Each is padded
+    to ``num_blocks`` blocks; ``gather_index`` [2 * n * num_blocks] selects the K blocks, then the
+    V blocks, from ``kv_cache.view(2 * num_cache_blocks, B, Hkv, D)``. The first ``max_seq_len``
+    gathered positions are attended; ``mask`` [n, 1, 1, max_seq_len] (additive, -inf past each
+    row's seq_len) or None when every row has ``max_seq_len`` keys.
+    """
+
+    rows: torch.Tensor | slice
+    num_reqs: int
+    num_blocks: int
+    max_seq_len: int
+    gather_index: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One step's decode buckets, the other (prefill-chunk) requests, and whether the decodes are
+    every row of the batch in order (then the output needs no zero fill)."""
+
+    buckets: tuple[DecodeBucket, ...]
+    prefill_reqs: tuple[int, ...]
+    decodes_cover_all_rows: bool
+
+
+def build_decode_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype) -> DecodePlan:
+    """Bucket the step's decodes (module docstring). Host-side numpy, ~60 us for 32 decodes;
+    ``TorchAttentionBackend`` caches the plan on the metadata, so it runs once per step."""
+    _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    qsl = metadata.query_start_loc_cpu.numpy()
+    seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
+    is_decode = np.diff(qsl) == 1
+    decodes = np.flatnonzero(is_decode)
+    prefills = tuple(np.flatnonzero(~is_decode).tolist())
+    if decodes.size == 0:
+        return DecodePlan((), prefills, False)
+    table = metadata.block_table_cpu.numpy()
+    nb = -(-seq_lens[decodes] // block_size)
+    pair_bytes = 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+    max_blocks = max(1, _MAX_BUCKET_BYTES // pair_bytes)
+    overhead = max(1, _BUCKET_OVERHEAD_BYTES // pair_bytes)
+    if _one_bucket_is_best(nb, max_blocks, overhead):
+        groups = [decodes]
+    else:
+        order = np.argsort(nb, kind="stable")
+        # Each bucket keeps its rows in batch order, so consecutive rows become a slice.
+        bounds = _bucket_bounds(nb[order], max_blocks, overhead)
+        groups = [decodes[np.sort(order[lo:hi])] for lo, hi in bounds]
+    device = kv_cache.device
+    buckets = tuple(
+        _bucket(idx, qsl, seq_lens, table, num_cache_blocks, block_size, dtype, device) for idx in groups
+    )
+    covers = not prefills and len(buckets) == 1 and metadata.num_actual_tokens == metadata.num_tokens
+    return DecodePlan(buckets, prefills, covers)
+
+
+def _one_bucket_is_best(nb: np.ndarray, max_blocks: int, overhead: int) -> bool:
+    padded = int(nb.max()) * nb.shape[0]
+    return padded - int(nb.sum()) <= overhead and padded <= max_blocks
+
+
+def _bucket_bounds(sorted_nb: np.ndarray, max_blocks: int, overhead: int) -> list[tuple[int, int]]:
+    """Split block counts sorted ascending into [lo, hi) runs, greedily: a run closes before a
+    row when padding the whole run to that row's length would waste more than ``overhead``
+    blocks (the price of a new bucket), or when the run's gather would pass ``max_blocks``."""
+    counts = sorted_nb.tolist()
+    bounds = []
+    lo, run_sum = 0, counts[0]
+    for i in range(1, len(counts)):
+        size = i - lo
+        padded = (size + 1) * counts[i]
+        if padded - run_sum - counts[i] > overhead or padded > max_blocks:
+            bounds.append((lo, i))
+            lo, run_sum = i, 0
+        run_sum += counts[i]
+    bounds.append((lo, len(counts)))
+    return bounds
+
+
+def _bucket(
+    idx: np.ndarray,
+    qsl: np.ndarray,
+    seq_lens: np.ndarray,
+    table: np.ndarray,
+    num_cache_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeBucket:
+    n = idx.shape[0]
+    s = seq_lens[idx]
+    nb = -(-s // block_size)
+    max_nb = int(nb.max())
+    max_seq = int(s.max())
+    blocks = table[idx, :max_nb].astype(np.int64)
+    # Cells past a row's own blocks may hold anything (the builder pads with 0): point them at
+    # the zero-filled null block 0, whose keys the mask hides.
+    blocks[np.arange(max_nb) >= nb[:, None]] = 0
+    flat = blocks.reshape(-1)
+    gather_index = torch.from_numpy(np.concatenate((flat, flat + num_cache_blocks))).to(device)
+    rows_np = qsl[idx].astype(np.int64)  # ascending
+    first_row = int(rows_np[0])
+    if int(rows_np[-1]) - first_row == n - 1:
+        rows: torch.Tensor | slice = slice(first_row, first_row + n)
+    else:
+        rows = torch.from_numpy(rows_np).to(device)
+    mask = None
+    if int(s.min()) < max_seq:
+        additive = np.where(np.arange(max_seq) >= s[:, None], np.float32(-np.inf), np.float32(0))
+        mask = torch.from_numpy(additive).view(n, 1, 1, max_seq).to(device=device, dtype=dtype)
+    return DecodeBucket(rows, n, max_nb, max_seq, gather_index, mask)
+
 
 class TorchAttentionBackend:
-    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``, one call per
-    request on exactly its ``seq_len`` keys.
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Query token j of a request sits at position ``seq_len - query_len + j`` and sees keys ``0 ..``
-    that position (a bottom-right-aligned causal mask). A decode (query_len 1) sees every key, so it
-    needs no mask, and its GQA groups become the query axis (``[1, Hkv, group, D]``) so K/V are
-    never repeated. Prefill chunks use SDPA's ``enable_gqa`` (torch >= 2.5) or
-    ``repeat_interleave``.
+    that position (a bottom-right-aligned causal mask). Decodes see every key of their request:
+    they are batched per step into length buckets (module docstring), and their GQA groups become
+    the query axis (``[n, Hkv, group, D]``) so K/V are never repeated. Prefill chunks run one call
+    each, with SDPA's ``enable_gqa`` (torch >= 2.5) or ``repeat_interleave``.
 
-    Why a loop: on CPU, batching a step's decodes into one padded, masked SDPA call was measured
-    slower (64 decodes, mean seq_len 473, block_size 16, 8/4 heads of 32, one thread: 13.6 ms per
-    layer batched vs 5.4 ms looped), because the padded gather copies up to twice the K/V.
+    Measured on one CPU thread (block_size 16, 8/4 heads of 32, fp32), per layer including the
+    cache write: 32 decodes of 32-160 tokens 1.9-2.1 ms looped vs 1.2-1.3 ms batched; 64 decodes
+    of 32-914 tokens 11.0-11.4 ms looped vs 8.3-9.1 ms in length buckets. A previous attempt
+    batched into ONE padded bucket and lost (37 ms for the second case, reproduced): every row
+    padded to the longest doubles the bytes copied, and a 60 MB gather, above glibc's largest mmap
+    threshold (32 MiB), was a fresh mmap each call, page-faulting at 2 GB/s (28.6 ms of the 37).
+    Not the cause: SDPA with an additive mask stays on the CPU flash kernel, and GQA as the query
+    axis repeats nothing. Matmul + masked softmax (1.2x-3x slower) and SDPA's math backend (3.5x)
+    lost to the flash kernel at these sizes.
     """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._scratch: torch.Tensor | None = None
 
     def forward(
         self,
@@ -47,26 +198,39 @@ class TorchAttentionBackend:
         Writes the actual tokens' key/value into ``kv_cache`` first (padding is never written).
         """
         n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
+        plan_key = ("torch_decode_plan", kv_cache.shape, kv_cache.dtype, query.dtype)
+        plan = metadata.derived.get(plan_key)
+        if plan is None:
+            plan = metadata.derived[plan_key] = build_decode_plan(metadata, kv_cache, query.dtype)
+        head_dim = kv_cache.shape[4]
+        if plan.decodes_cover_all_rows:
+            bucket = plan.buckets[0]
+            return self._decode(query, kv_cache, bucket, scale).view(query.shape)
         out = torch.zeros_like(query)
+        for bucket in plan.buckets:
+            o = self._decode(query[bucket.rows], kv_cache, bucket, scale)
+            out[bucket.rows] = o.view(bucket.num_reqs, -1, head_dim)
+        if not plan.prefill_reqs:
+            return out
         starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         block_size = kv_cache.shape[2]
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        for i, seq_len in enumerate(seq_lens):
+        for i in plan.prefill_reqs:
+            seq_len = seq_lens[i]
             start, end = starts[i], starts[i + 1]
             query_len = end - start
-            blocks = metadata.block_table[i, : -(-seq_len // block_size)]
-            # index_select on whole blocks copies at memcpy speed (advanced indexing was ~2x slower).
-            k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
-            v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
+            if query_len == seq_len and key.dtype == kv_cache.dtype:
+                # A whole prompt: its keys are this step's, exactly as just written; no gather.
+                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            else:
+                blocks = metadata.block_table[i, : -(-seq_len // block_size)]
+                # index_select on whole blocks copies at memcpy speed (advanced indexing was ~2x slower).
+                k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+                v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+                k, v = k.to(query.dtype), v.to(query.dtype)
             k, v = k.unsqueeze(0), v.unsqueeze(0)  # [1, Hkv, seq_len, D]
-            if query_len == 1:
-                q = query[start].view(1, num_kv_heads, -1, head_dim)  # [1, Hkv, group, D]
-                o = F.scaled_dot_product_attention(q, k, v, scale=scale)
-                out[start] = o.reshape(-1, head_dim)
-                continue
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, query_len, D]
             if query_len == seq_len:
                 o = _sdpa(q, k, v, None, True, scale)
@@ -76,6 +240,36 @@ class TorchAttentionBackend:
                 o = _sdpa(q, k, v, k_pos[None, :] <= q_pos[:, None], False, scale)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
+    ) -> torch.Tensor:
+        """query [n, H, D] of one bucket's decodes -> [n, Hkv, group, D]."""
+        _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        n = bucket.num_reqs
+        flat = kv_cache.view(2 * num_cache_blocks, block_size, num_kv_heads, head_dim)
+        scratch = self._scratch_for(flat, bucket.gather_index.numel())
+        kv = torch.index_select(flat, 0, bucket.gather_index, out=scratch)
+        kv = kv.view(2, n, bucket.num_blocks * block_size, num_kv_heads, head_dim)[:, :, : bucket.max_seq_len]
+        if kv.dtype != query.dtype:
+            kv = kv.to(query.dtype)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [n, Hkv, S, D], strided
+        q = query.reshape(n, num_kv_heads, -1, head_dim)  # [n, Hkv, group, D]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)
+
+    def _scratch_for(self, flat_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A [num_blocks, B, Hkv, D] view of the reusable gather buffer (grown on demand; every
+        layer and bucket shares it, SDPA has consumed it before the next gather). A fresh tensor
+        per gather page-faulted: 64 decodes of 32-914 tokens took 63 ms per layer with fresh
+        buffers (~7k page faults per step) against 29 ms with this one, same process, busy host;
+        at 32 decodes of ~100 tokens the two measure the same."""
+        shape = (num_blocks, *flat_cache.shape[1:])
+        numel = num_blocks * flat_cache[0].numel()
+        buf = self._scratch
+        stale = buf is None or (buf.dtype, buf.device) != (flat_cache.dtype, flat_cache.device)
+        if stale or buf.numel() < numel:
+            buf = self._scratch = torch.empty(numel, dtype=flat_cache.dtype, device=flat_cache.device)
+        return buf[:numel].view(shape)
 
 
 def _sdpa(

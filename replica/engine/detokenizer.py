@@ -65,6 +65,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens from the text (vLLM's default).
         eos_token_id: the model's EOS id (or ids), so that a terminating EOS contributes no text
             even when the tokenizer does not mark it special; ``None`` when unknown.
+        single_token_text: a memo of one-token decodes (token id -> text) to share between the
+            requests of one tokenizer and ``skip_special_tokens`` setting (the engine passes one);
+            ``None`` keeps a private one. After each clean character boundary the new prefix
+            window is usually the one newest token, so this halves the decode calls per token.
 
     Attributes:
         matched_stop: the stop string that finished the request, else ``None``.
@@ -80,9 +84,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         *,
         eos_token_id: EosTokenIds = None,
+        single_token_text: dict[int, str] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._single_token_text = {} if single_token_text is None else single_token_text
         self._stop = params.stop
         self._min_tokens = params.min_tokens
         self._stop_token_ids = frozenset(params.stop_token_ids)
@@ -161,6 +167,14 @@ class IncrementalDetokenizer:
         return token_id in self._eos_token_ids or token_id in self._stop_token_ids
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if len(token_ids) == 1:
+            token_id = token_ids[0]
+            text = self._single_token_text.get(token_id)
+            if text is None:
+                text = self._single_token_text[token_id] = self._tokenizer.decode(
+                    [token_id], skip_special_tokens=self._skip_special_tokens
+                )
+            return text
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=self._skip_special_tokens)
 
     def _decode_next(self) -> str:

@@ -17,7 +17,7 @@ from replica.attention import kv_cache_block_bytes
 from replica.engine.config import EngineConfig, compute_num_blocks
 from replica.engine.detokenizer import IncrementalDetokenizer
 from replica.engine.errors import InvalidRequestError
-from replica.engine.params import FinishReason, SamplingParams, validate_request
+from replica.engine.params import FinishReason, SamplingParams, eos_token_set, validate_request
 from replica.engine.request import Request, RequestStatus
 from replica.engine.runner import ModelRunner
 from replica.engine.sampling import Sampler, SamplingState
@@ -92,6 +92,9 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids or tuple(mcfg.eos_token_ids or ())
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids: tuple[int, ...] = tuple(eos[1:])
+        self._eos_token_set = eos_token_set(self.eos_token_id)
+        # One-token decodes, shared by every request's detokenizer (decode of one id never changes).
+        self._single_token_text: dict[int, str] = {}
         B = config.block_size
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         block_bytes = kv_cache_block_bytes(B, mcfg.num_key_value_heads, mcfg.head_dim, dtype, mcfg.num_hidden_layers)
@@ -192,7 +195,11 @@ class LLMEngine:
         if req.request_id in self._live:
             raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
         detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.sampling_params, eos_token_id=self.eos_token_id
+            self.tokenizer,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=self.eos_token_id,
+            single_token_text=self._single_token_text,
         )
         self._live[req.request_id] = _Live(req, SamplingState(req.sampling_params), detok)
         self.scheduler.add_request(req)
@@ -244,7 +251,7 @@ class LLMEngine:
             finished, reason, matched = check_stop(
                 req.output_token_ids,
                 req.sampling_params,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=self._eos_token_set,
                 max_tokens=req.max_tokens,
                 matched_stop_str=live.detok.matched_stop,
             )

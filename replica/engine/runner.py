@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from replica.attention import allocate_kv_caches, build_attention_metadata
@@ -60,18 +59,31 @@ class ModelRunner:
         """Run one step. Returns float32 logits [num_sampling_requests, vocab] in the order of
         ``[s for s in sched.scheduled if s.samples]``."""
         scheduled = sched.scheduled
-        ids = np.concatenate(
-            [np.asarray(s.request.all_token_ids[s.start : s.start + s.num_scheduled_tokens]) for s in scheduled]
-        )
-        query_lens = [s.num_scheduled_tokens for s in scheduled]
-        seq_lens = [s.start + s.num_scheduled_tokens for s in scheduled]
+        token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        rows: list[int] = []  # the last row of each request that samples
+        num_tokens = 0
+        for s in scheduled:
+            n, start, all_ids = s.num_scheduled_tokens, s.start, s.request.all_token_ids
+            if n == 1:
+                token_ids.append(all_ids[start])
+            else:
+                token_ids += all_ids[start : start + n]
+            num_tokens += n
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            block_tables.append(s.block_ids)
+            if start + n == len(all_ids):  # s.samples, inlined
+                rows.append(num_tokens - 1)
         meta, positions = build_attention_metadata(
-            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, device=self.device
+            query_lens, seq_lens, block_tables, self.block_size, device=self.device
         )
-        input_ids = torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        last = np.cumsum(query_lens) - 1
-        rows = [int(last[i]) for i, s in enumerate(scheduled) if s.samples]
         if not rows:
             return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
+        if len(rows) == num_tokens:  # a pure decode step: every row samples, in order
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

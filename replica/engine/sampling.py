@@ -105,9 +105,14 @@ class Sampler:
                 f"{num_reqs} logits rows but {len(states)} states and {len(num_output_tokens)} counts"
             )
         device = logits.device
-        out = torch.empty(num_reqs, dtype=torch.int64, device=device)
         if num_reqs == 0:
-            return out
+            return torch.empty(0, dtype=torch.int64, device=device)
+        counts = zip(states, num_output_tokens, strict=True)
+        if all(s.params.is_greedy and n >= s.params.min_tokens for s, n in counts):
+            # The common all-greedy step with no min_tokens mask: one argmax over the batch, no copy
+            # (the float32 cast does not change which index is maximal, and logits stay unmodified).
+            return logits.argmax(dim=-1)
+        out = torch.empty(num_reqs, dtype=torch.int64, device=device)
         logits = logits.to(torch.float32, copy=True)
         self._apply_min_tokens(logits, states, num_output_tokens)
 

@@ -14,7 +14,7 @@ from replica.engine.request import Request, RequestStatus
 from replica.kv import KVCacheManager
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """A request's share of one step: ``num_scheduled_tokens`` tokens starting at ``start``."""
 

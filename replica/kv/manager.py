@@ -19,6 +19,10 @@ from replica.kv.block import KVCacheBlock
 from replica.kv.block_pool import BlockPool, FreeOrder, KVCacheError
 from replica.kv.cpu_pool import CopyFn
 
+# _check_token_ids checks ranges up to this many tokens in plain Python (see there).
+_SHORT_RANGE = 16
+_NO_LIMIT = float("inf")
+
 
 class KVRequest(Protocol):
     """What the manager reads of a request. ``block_hashes`` is the manager's cache of the full
@@ -132,6 +136,8 @@ class KVCacheManager:
             num_blocks, enable_caching, enable_kv_cache_events, free_order, cpu_num_blocks, copy_fn
         )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # What allocate_slots uses when it gets no prefix hits; only ever read.
+        self._no_hits = ComputedBlocks([], [], block_size)
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -152,6 +158,16 @@ class KVCacheManager:
     def _check_token_ids(self, request: KVRequest, start: int, end: int) -> None:
         if end <= start:
             return
+        if end - start <= _SHORT_RANGE:
+            # A decode checks its one new token every step: plain Python on a short slice costs
+            # ~0.3 us where numpy's asarray + min + max cost ~7 us. Anything unusual (a non-int
+            # type, an id out of range) takes the numpy path, which raises the error.
+            vocab = self.vocab_size if self.vocab_size is not None else _NO_LIMIT
+            for tok in request.all_token_ids[start:end]:
+                if type(tok) is not int or not 0 <= tok < vocab:
+                    break
+            else:
+                return
         ids = np.asarray(request.all_token_ids[start:end])
         if ids.dtype.kind not in "iu":
             raise KVCacheError(f"request {request.request_id!r}: token ids must be integers")
@@ -256,14 +272,15 @@ class KVCacheManager:
             raise KVCacheError(f"allocate_slots: num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         if request.num_computed_tokens < 0:
             raise KVCacheError(f"allocate_slots: request {rid!r} has num_computed_tokens < 0")
-        computed = new_computed_blocks or ComputedBlocks([], [], self.block_size)
-        if num_new_computed_tokens != computed.num_computed_tokens:
+        computed = new_computed_blocks or self._no_hits
+        hit_tokens = computed.num_computed_tokens
+        if num_new_computed_tokens != hit_tokens:
             raise KVCacheError(
                 f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but the computed blocks"
-                f" cover {computed.num_computed_tokens} tokens"
+                f" cover {hit_tokens} tokens"
             )
         first = rid not in self.req_to_blocks
-        if not first and computed.num_computed_tokens:
+        if not first and hit_tokens:
             raise KVCacheError(f"allocate_slots: request {rid!r} is running; prefix hits apply at admission only")
         B = self.block_size
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -287,7 +304,7 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(computed.blocks))
         # A prefix hit on a free cached block takes that block off the free queue, so it counts
         # against the free blocks just like a new allocation.
-        num_evictable_hits = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in computed.blocks if b.ref_cnt == 0) if computed.blocks else 0
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
 
@@ -295,12 +312,13 @@ class KVCacheManager:
         if first:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
-            self.stats.hits += computed.num_computed_tokens
+            self.stats.hits += hit_tokens
             self.stats.cpu_hits += computed.num_cpu_hit_tokens
             self.req_to_blocks[rid] = req_blocks
             self.num_cached_block[rid] = len(computed.blocks)
-        pool.touch(computed.blocks)
-        req_blocks.extend(computed.blocks)
+        if computed.blocks:
+            pool.touch(computed.blocks)
+            req_blocks.extend(computed.blocks)
         if computed.cpu_block_hashes:
             pool.cpu_pool.pin(computed.cpu_block_hashes)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
