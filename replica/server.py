@@ -1,10 +1,16 @@
 """The replica process: model + engine + gRPC services + health + reflection + KV event publisher.
 
-    start():  gRPC up (liveness SERVING, readiness NOT_SERVING) ─▶ load model, warm up (a thread)
-              ─▶ publisher.start() ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
+    start():  gRPC up (liveness SERVING, readiness NOT_SERVING)
+              ─▶ engine_process (default): ProcessLLMEngine.start() spawns the engine process, which
+                   loads the model, warms up, starts the publisher and its step hook (ProcessStepHook)
+                 else: load model, warm up (a thread) ─▶ publisher.start()
+                   ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
     stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ grpc stop(grace)
-              ─▶ engine thread stopped ─▶ publisher closed                     (a few seconds at most)
+              ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
+
+The engine process exists because a step of a small model is mostly Python: on a thread of this
+process it competes with gRPC for the GIL (see replica/engine/engine_proc.py and bench/replica.py).
 
 ``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m replica`` and ``kvroute replica``
 call :func:`main`. Tests and benchmarks use :class:`ReplicaServer` directly (``port=0`` binds a free
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import signal
@@ -32,7 +39,16 @@ from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry, setup_telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
 from replica.engine.async_engine import AsyncLLMEngine
-from replica.service import GenerationServicer, ReplicaFrontend, ReplicaServicer, service_names
+from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
+from replica.service import (
+    GenerationServicer,
+    ModelDescription,
+    ProcessStepHook,
+    RemotePublisher,
+    ReplicaFrontend,
+    ReplicaServicer,
+    service_names,
+)
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
 
@@ -82,11 +98,47 @@ def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
     return engine, name
 
 
+def build_process_engine(settings: ReplicaSettings) -> Any:
+    """:func:`build_engine` without the name: the ``engine_factory`` of the engine process."""
+    return build_engine(settings)[0]
+
+
+def make_process_step_hook(
+    settings: ReplicaSettings, address: str, replica_id: str, model_name: str, engine: Any
+) -> ProcessStepHook:
+    """The engine process's ``step_hook_factory``: starts the KV event publisher there (when
+    ``redis_url`` is set), so that events, snapshots and heartbeats leave from next to the engine.
+
+    Raises:
+        RuntimeError: ``redis_url`` is set but the publisher cannot be imported.
+    """
+    if not settings.redis_url:
+        return ProcessStepHook()
+    pub = _make_publisher(settings, engine, address, replica_id, model_name)
+    pub.start()
+    return ProcessStepHook(pub)
+
+
+def _make_publisher(settings: ReplicaSettings, engine: Any, address: str, replica_id: str, model_name: str) -> Any:
+    s = settings
+    try:
+        from replica.publisher import KVEventPublisher, engine_identity
+    except ImportError as e:
+        raise RuntimeError(f"redis_url: set, but the KV event publisher is unavailable ({e})") from e
+    return KVEventPublisher(
+        s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine_identity(engine, address, model_name),
+        heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
+        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+    )
+
+
 class ReplicaServer:
     """One replica's gRPC server over one engine (see the module docstring for the sequence).
 
     After ``await start()``: ``port`` (bound), ``address`` (advertised), ``replica_id``,
-    ``engine`` (the ``AsyncLLMEngine``), ``frontend``, ``publisher`` (or None).
+    ``engine`` (a ``ProcessLLMEngine`` with ``engine_process``, else an ``AsyncLLMEngine`` whose
+    ``.engine`` is the ``LLMEngine``), ``frontend``, ``publisher`` (or None; a ``RemotePublisher``
+    with ``engine_process``).
     """
 
     def __init__(self, settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
@@ -147,49 +199,64 @@ class ReplicaServer:
         await server.start()
         log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
         try:
-            engine, self.model_name = await asyncio.to_thread(build_engine, s)
-            if self.telemetry is not None:
-                frontend.metrics = ReplicaMetrics(
-                    self.telemetry.meter("kvroute.replica"), model=self.model_name,
-                    sample=frontend.latest_sample, publisher=lambda: self.publisher,
-                )
-            self.publisher = await self._start_publisher(engine)
-            frontend.publisher = self.publisher
-            self.engine = AsyncLLMEngine(engine, step_hook=frontend.on_step)
-            self.engine.start()
-            frontend.attach(self.engine, self.model_name, self.publisher)
+            if s.engine_process:
+                facts = await self._start_engine_process(frontend)
+            else:
+                facts = await self._start_engine_thread(frontend)
         except BaseException:
             await self.stop(grace=0)
             raise
         self._watchdog = asyncio.create_task(self._watch_engine())
         await self._set_all(_SERVING)
         log.info(
-            "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s",
-            self.replica_id, self.model_name, engine.num_blocks, engine.config.block_size, engine.max_model_len,
-            self.address,
+            "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s",
+            self.replica_id, self.model_name, facts.num_blocks, facts.block_size, facts.max_model_len,
+            self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
         )
 
-    async def _start_publisher(self, engine: Any) -> Any:
+    def _make_metrics(self, frontend: ReplicaFrontend) -> None:
+        if self.telemetry is not None:
+            frontend.metrics = ReplicaMetrics(
+                self.telemetry.meter("kvroute.replica"), model=self.model_name,
+                sample=frontend.latest_sample, publisher=lambda: self.publisher,
+            )
+
+    async def _start_engine_process(self, frontend: ReplicaFrontend) -> EngineFacts:
         s = self.settings
-        if not s.redis_url:
-            return None
-        try:
-            from replica.publisher import KVEventPublisher, engine_identity
-        except ImportError as e:
-            raise RuntimeError(f"redis_url: set, but the KV event publisher is unavailable ({e})") from e
-        identity = engine_identity(engine, self.address, self.model_name)
-        pub = KVEventPublisher(
-            s.redis_url, RedisLayout(s.namespace, s.event_shards), self.replica_id, identity,
-            heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
-            buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+        model_dir, self.model_name = await asyncio.to_thread(resolve_model_dir, s)  # generates the default model
+        self._make_metrics(frontend)
+        engine = ProcessLLMEngine(
+            functools.partial(build_process_engine, s), model_dir,
+            step_hook_factory=functools.partial(make_process_step_hook, s, self.address, self.replica_id, self.model_name),
+            on_step_report=frontend.on_step_report,
         )
-        started = pub.start()
-        if inspect.isawaitable(started):
-            await started
-        return pub
+        if s.redis_url:
+            self.publisher = frontend.publisher = RemotePublisher(engine)
+        self.engine = engine  # before it starts: stop() during the start ends the engine process
+        await asyncio.to_thread(engine.start)
+        assert engine.facts is not None
+        frontend.attach(engine, ModelDescription.of(engine.facts, self.model_name), engine.tokenizer, self.publisher)
+        return engine.facts
+
+    async def _start_engine_thread(self, frontend: ReplicaFrontend) -> EngineFacts:
+        engine, self.model_name = await asyncio.to_thread(build_engine, self.settings)
+        self._make_metrics(frontend)
+        if self.settings.redis_url:
+            pub = _make_publisher(self.settings, engine, self.address, self.replica_id, self.model_name)
+            started = pub.start()
+            if inspect.isawaitable(started):
+                await started
+            self.publisher = pub
+        frontend.publisher = self.publisher
+        self.engine = AsyncLLMEngine(engine, step_hook=frontend.on_step)
+        self.engine.start()
+        facts = EngineFacts.of(engine)
+        frontend.attach(self.engine, ModelDescription.of(facts, self.model_name), engine.tokenizer, self.publisher)
+        return facts
 
     async def _watch_engine(self) -> None:
-        """Liveness and readiness go NOT_SERVING when the step loop dies (the orchestrator restarts us)."""
+        """Liveness and readiness go NOT_SERVING when the step loop (or the engine process) dies:
+        the orchestrator restarts us."""
         while self.engine is not None and self.engine.dead is None:
             await asyncio.sleep(0.5)
         if self.engine is not None and not self._stopping:
@@ -199,7 +266,7 @@ class ReplicaServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop: NOT_SERVING everywhere, abort in-flight calls, stop gRPC within ``grace`` seconds,
-        stop the engine thread, close the publisher. Idempotent.
+        stop the engine process (or thread), close the publisher. Idempotent.
 
         The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
         that never end on their own (health ``Watch`` streams), which are cancelled after it.
@@ -335,4 +402,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     return 0
 
 
-__all__ = ["LIVENESS", "READINESS", "BackgroundReplica", "ReplicaServer", "build_engine", "main", "resolve_model_dir", "serve"]
+__all__ = [
+    "LIVENESS",
+    "READINESS",
+    "BackgroundReplica",
+    "ReplicaServer",
+    "build_engine",
+    "build_process_engine",
+    "main",
+    "make_process_step_hook",
+    "resolve_model_dir",
+    "serve",
+]

@@ -1,10 +1,18 @@
-"""The replica's gRPC services over one ``AsyncLLMEngine`` (DESIGN.md §3.3).
+"""The replica's gRPC services over one engine client (DESIGN.md §3.3).
 
     GenerationService (text | token_ids | chat) ─┐
-                                                 ├─▶ ReplicaFrontend ─▶ AsyncLLMEngine (engine thread)
-    ReplicaService (token_ids, Abort, GetLoad) ──┘        ▲ on_step(engine): admissions, EngineSample,
-                                                          │   KV events ─▶ publisher.on_step
+                                                 ├─▶ ReplicaFrontend ─▶ ProcessLLMEngine (engine process)
+    ReplicaService (token_ids, Abort, GetLoad) ──┘        ▲               or AsyncLLMEngine (engine thread)
+                                                          │ on_step_report(StepReport): admissions, EngineSample
                                                           └── one in-flight table, admission control
+
+The step hook has two halves. The engine side runs where the engine runs, after every step:
+:func:`take_step_sample` (the load sample; the step's KV events to the publisher), wrapped by
+:class:`ProcessStepHook` in the engine process, or by ``ReplicaFrontend.on_step`` on the engine
+thread. The frontend side, ``on_step_report``, stamps admissions and keeps the latest sample for
+GetLoad, admission control and metrics. With the engine in its own process the publisher lives
+there too; the server sees it through :class:`RemotePublisher` (counters as of the last report,
+``request_snapshot`` forwarded).
 
 Contract:
 - Requests are validated before they touch the engine; a bad value fails with INVALID_ARGUMENT
@@ -41,11 +49,14 @@ from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
 from replica.engine.errors import EngineError, InvalidRequestError
 from replica.engine.params import FinishReason, SamplingParams
 from replica.telemetry import EngineSample, ReplicaMetrics, RequestSpans, sample_engine
 
 log = logging.getLogger(__name__)
+
+EngineClient = AsyncLLMEngine | ProcessLLMEngine
 
 GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 REPLICA_SERVICE = rep_pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
@@ -119,13 +130,15 @@ def prompt_of(request: gen_pb.GenerateRequest) -> Prompt:
 # -- per-call state ---------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Call:
-    """One in-flight request. ``admitted_ns`` is written once by the engine thread."""
+    """One in-flight request. ``admitted_ns`` is written once by the step hook's frontend side
+    (engine thread, or the engine process's reader thread)."""
 
     request_id: str
     request: Any  # replica.engine.request.Request
     submitted_ns: int
     admitted_ns: int | None = None
     first_token_ns: int | None = None
+    completion_tokens: int = 0  # as of the last output received
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,14 @@ class ModelDescription:
     hash_seed_digest: str
     eos_token_ids: tuple[int, ...]
 
+    @classmethod
+    def of(cls, facts: EngineFacts, model: str) -> ModelDescription:
+        return cls(
+            model=model, vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
+            block_size=facts.block_size, hash_algorithm=facts.hash_algorithm,
+            hash_seed_digest=facts.hash_seed_digest, eos_token_ids=facts.eos_token_ids,
+        )
+
     def to_proto(self) -> gen_pb.ModelInfo:
         return gen_pb.ModelInfo(
             model=self.model, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
@@ -148,13 +169,118 @@ class ModelDescription:
         )
 
 
+# -- the step hook ----------------------------------------------------------------------------------
+def take_step_sample(engine: Any, publisher: Any) -> EngineSample:
+    """The engine side of the step hook: read the load sample and hand the step's KV events to the
+    publisher (or drop them: nobody else empties the pool's list). Engine thread only; never raises
+    a publisher error into the step loop."""
+    sample = sample_engine(engine)
+    events = engine.take_kv_events()
+    if publisher is not None:
+        try:
+            publisher.on_step(events, load_fields(sample), engine.kv.cached_event_hashes)
+        except Exception:  # a publisher bug must not kill the step loop
+            log.exception("KV event publisher failed in on_step")
+    return sample
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """A ``KVEventPublisher``'s counters at one moment (see its docstring)."""
+
+    last_seq: int = 0
+    batches_published: int = 0
+    events_published: int = 0
+    batches_dropped: int = 0
+    snapshots_written: int = 0
+    last_seq_written: int = 0
+    reconnects: int = 0
+    connected: bool = False
+
+    @classmethod
+    def of(cls, publisher: Any) -> PublisherStats:
+        return cls(
+            last_seq=publisher.last_seq, batches_published=publisher.batches_published,
+            events_published=publisher.events_published, batches_dropped=publisher.batches_dropped,
+            snapshots_written=publisher.snapshots_written, last_seq_written=publisher.last_seq_written,
+            reconnects=publisher.reconnects, connected=publisher.connected,
+        )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the frontend learns from one engine step or idle tick. ``step_start_ns`` is when the
+    step began (about when the previous hook returned): the admission time of what it admitted."""
+
+    sample: EngineSample
+    step_start_ns: int
+    publisher: PublisherStats | None = None
+
+
+class ProcessStepHook:
+    """The step hook in the engine process (``ProcessLLMEngine``'s ``step_hook_factory`` makes it):
+    :func:`take_step_sample`, and a :class:`StepReport` for the server when the sample or the
+    publisher's counters changed since the last one (idle ticks mostly change nothing). Owns the
+    publisher of that process: ``close`` stops it."""
+
+    def __init__(self, publisher: Any = None) -> None:
+        self.publisher = publisher
+        self._prev_hook_ns = time.time_ns()
+        self._last: tuple[EngineSample, PublisherStats | None] | None = None
+
+    def __call__(self, engine: Any) -> StepReport | None:
+        now = time.time_ns()
+        prev, self._prev_hook_ns = self._prev_hook_ns, now
+        sample = take_step_sample(engine, self.publisher)
+        stats = PublisherStats.of(self.publisher) if self.publisher is not None else None
+        if (sample, stats) == self._last:
+            return None
+        self._last = (sample, stats)
+        return StepReport(sample, prev, stats)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def _request_snapshot(hook: ProcessStepHook) -> None:
+    if hook.publisher is not None:
+        hook.publisher.request_snapshot()
+
+
+class RemotePublisher:
+    """The server's view of the ``KVEventPublisher`` in the engine process: its counters as of the
+    last step report (the attributes ``ReplicaMetrics`` and the frontend read), ``request_snapshot``
+    forwarded to it. ``last_seq`` may trail the real one by the steps still in the pipe, which keeps
+    RequestSnapshot's promise: the snapshot is valid at the returned seq or later."""
+
+    def __init__(self, engine: ProcessLLMEngine) -> None:
+        self._engine = engine
+        self.stats = PublisherStats()
+
+    def update(self, stats: PublisherStats) -> None:
+        self.stats = stats
+
+    def request_snapshot(self) -> None:
+        self._engine.run_in_hook(_request_snapshot)
+
+    def close(self) -> None:
+        """Nothing to do here: the engine process closes the publisher when it stops."""
+
+    def __getattr__(self, name: str) -> Any:  # last_seq, batches_published, ... (PublisherStats' fields)
+        if name in PublisherStats.__dataclass_fields__:
+            return getattr(self.__dict__["stats"], name)
+        raise AttributeError(name)
+
+
 class ReplicaFrontend:
     """The service side of the engine: the in-flight table, admission control, timings, and the
     per-step hook that feeds the load sample and the KV event publisher.
 
-    Threads: every method runs on the event loop except :meth:`on_step` (engine thread). They share
+    Threads: every method runs on the event loop except :meth:`on_step` (engine thread) and
+    :meth:`on_step_report` (engine thread, or the engine process's reader thread). They share
     ``_awaiting`` (calls submitted but not yet admitted, under ``_lock``), each call's
-    ``admitted_ns`` (written once by the engine thread) and ``_sample`` (replaced atomically).
+    ``admitted_ns`` (written once by ``on_step_report``) and ``_sample`` (replaced atomically).
     """
 
     def __init__(
@@ -169,9 +295,10 @@ class ReplicaFrontend:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.tracer = tracer
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: EngineClient | None = None
         self.publisher: Any = None
         self.model: ModelDescription | None = None
+        self.tokenizer: Any = None
         self._calls: dict[str, _Call] = {}
         self._awaiting: dict[str, _Call] = {}
         self._lock = threading.Lock()
@@ -180,15 +307,11 @@ class ReplicaFrontend:
         self._draining = False
 
     # -- lifecycle (event loop) ------------------------------------------------------------------
-    def attach(self, engine: AsyncLLMEngine, model_name: str, publisher: Any = None) -> None:
-        """Start serving with a started ``engine`` (before: UNAVAILABLE, "loading")."""
-        eng = engine.engine
-        eos = (eng.eos_token_id,) if eng.eos_token_id is not None else ()
-        self.model = ModelDescription(
-            model=model_name, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len,
-            block_size=eng.config.block_size, hash_algorithm=eng.hasher.algorithm,
-            hash_seed_digest=eng.hasher.seed_digest, eos_token_ids=eos + tuple(eng.extra_eos_token_ids),
-        )
+    def attach(self, engine: EngineClient, model: ModelDescription, tokenizer: Any, publisher: Any = None) -> None:
+        """Start serving with a started ``engine`` (before: UNAVAILABLE, "loading"); ``tokenizer``
+        renders chat prompts."""
+        self.model = model
+        self.tokenizer = tokenizer
         self.publisher = publisher
         self.engine = engine
 
@@ -207,47 +330,49 @@ class ReplicaFrontend:
     def latest_sample(self) -> EngineSample | None:
         return self._sample
 
-    # -- the engine thread --------------------------------------------------------------------------
+    # -- the step hook (off the event loop) ---------------------------------------------------------
     def on_step(self, engine: Any) -> None:
-        """Step hook (engine thread, after every step and on idle ticks): stamp admissions, take
-        the load sample, hand the step's KV events to the publisher (or drop them)."""
+        """``AsyncLLMEngine`` step hook (engine thread, after every step and on idle ticks): both
+        halves of the step hook in one place."""
         now = time.time_ns()
         # The step that just ran started about when the previous hook returned (or, after an idle
         # wait, when the request arrived), so that is the admission time of what it admitted.
         prev, self._prev_hook_ns = self._prev_hook_ns, now
+        self.on_step_report(StepReport(take_step_sample(engine, self.publisher), prev))
+
+    def on_step_report(self, report: StepReport) -> None:
+        """The frontend side of the step hook: stamp the admissions the step made (a request's
+        ``num_cached_tokens`` turns >= 0 at its first admission; ``ProcessLLMEngine`` mirrors it
+        into the request copy here), keep the sample, update the remote publisher's counters."""
         if self._awaiting:
             with self._lock:
                 pending = list(self._awaiting.values())
             for call in pending:
-                if call.request.num_cached_tokens >= 0:  # set by the scheduler at first admission
-                    call.admitted_ns = max(prev, call.submitted_ns)
+                if call.request.num_cached_tokens >= 0:
+                    call.admitted_ns = max(report.step_start_ns, call.submitted_ns)
                     with self._lock:
                         self._awaiting.pop(call.request_id, None)
-        sample = sample_engine(engine)
-        self._sample = sample
-        events = engine.take_kv_events()  # always drained: nobody else empties the pool's list
-        if self.publisher is not None:
-            try:
-                self.publisher.on_step(events, load_fields(sample), engine.kv.cached_event_hashes)
-            except Exception:  # a publisher bug must not kill the step loop
-                log.exception("KV event publisher failed in on_step")
+        self._sample = report.sample
+        if report.publisher is not None and isinstance(self.publisher, RemotePublisher):
+            self.publisher.update(report.publisher)
 
     # -- calls (event loop) ---------------------------------------------------------------------------
-    def _require_engine(self) -> AsyncLLMEngine:
+    def _require_engine(self) -> EngineClient:
         if self._draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
         if self.engine is None:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is loading its model")
-        if self.engine.dead is not None:
-            raise EngineDeadError(f"engine step loop died: {self.engine.dead!r}")
+        dead = self.engine.dead
+        if dead is not None:
+            raise EngineDeadError(str(dead) if isinstance(dead, EngineDeadError) else f"engine step loop died: {dead!r}")
         return self.engine
 
-    def _tokens_of(self, engine: AsyncLLMEngine, prompt: Prompt) -> str | list[int]:
+    def _tokens_of(self, prompt: Prompt) -> str | list[int]:
         if not isinstance(prompt, ChatPrompt):
             return prompt
         if not prompt.messages:
             raise InvalidRequestError("prompt.chat", "must contain at least one message")
-        tok = engine.engine.tokenizer
+        tok = self.tokenizer
         try:
             text = tok.apply_chat_template(list(prompt.messages), add_generation_prompt=True)
         except ChatTemplateError as e:
@@ -291,8 +416,11 @@ class ReplicaFrontend:
             rid = request_id or f"{self.replica_id}-{uuid.uuid4().hex[:16]}"
             if rid in self._calls:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
-            req = engine.make_request(self._tokens_of(engine, prompt), params, rid, cache_salt or None)
-            queued = max(engine.engine.num_waiting, len(self._awaiting))
+            req = engine.make_request(self._tokens_of(prompt), params, rid, cache_salt or None)
+            # The scheduler's queue as of the last step (preempted requests included), or what
+            # was submitted since and not admitted yet, whichever is longer.
+            sample = self._sample
+            queued = max(sample.waiting if sample is not None else 0, len(self._awaiting))
             if queued >= self.max_waiting:
                 raise RpcError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -304,6 +432,7 @@ class ReplicaFrontend:
                 self._awaiting[rid] = call
             async with contextlib.aclosing(engine.generate(req)) as outputs:
                 async for out in outputs:
+                    call.completion_tokens = out.completion_tokens
                     if out.new_token_ids and first_token_s is None:
                         first_token_s = time.perf_counter() - t0
                         call.first_token_ns = time.time_ns()
@@ -361,7 +490,7 @@ class ReplicaFrontend:
     ) -> None:
         req = call.request if call is not None else None
         prompt_tokens = req.num_prompt_tokens if req is not None else 0
-        completion_tokens = len(req.output_token_ids) if req is not None else 0
+        completion_tokens = call.completion_tokens if call is not None else 0
         cached_tokens = max(req.num_cached_tokens, 0) if req is not None else 0
         finish = final.finish_reason.value if final is not None and final.finish_reason is not None else None
         if self.metrics is not None:
@@ -530,12 +659,18 @@ __all__ = [
     "REPLICA_SERVICE",
     "ChatPrompt",
     "GenerationServicer",
+    "EngineClient",
     "ModelDescription",
+    "ProcessStepHook",
+    "PublisherStats",
+    "RemotePublisher",
     "ReplicaFrontend",
     "ReplicaServicer",
+    "StepReport",
     "classify_error",
     "load_fields",
     "prompt_of",
     "sampling_params_from_proto",
     "service_names",
+    "take_step_sample",
 ]

@@ -30,6 +30,9 @@ class ReplicaSettings:
     event_buffer: int = setting(10000, "event batches buffered while Redis is slow or down")
     stream_maxlen: int = setting(100000, "approximate MAXLEN of the event stream")
     max_waiting: int = setting(256, "requests waiting in the queue before RESOURCE_EXHAUSTED")
+    engine_process: bool = setting(
+        True, "run the engine step loop in its own process (false: a thread of the gRPC process)"
+    )
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("auto", "float32, float16, bfloat16 or auto")
     attn_backend: str = setting("auto", "attention backend", choices=("auto", "torch", "flash_attn"))

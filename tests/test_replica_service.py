@@ -44,6 +44,7 @@ def settings(tmp_path_factory) -> ReplicaSettings:
     return ReplicaSettings(
         host="127.0.0.1", port=0, model_cache_dir=str(tmp_path_factory.mktemp("models")), num_blocks=256,
         torch_threads=1, max_num_seqs=4, max_waiting=50, replica_id="test-replica",
+        engine_process=False,  # the tests read the LLMEngine (server.engine.engine) in this process
     )
 
 

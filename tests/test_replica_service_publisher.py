@@ -40,6 +40,7 @@ def cluster(tmp_path_factory):
         settings = ReplicaSettings(
             host="127.0.0.1", port=0, model_cache_dir=str(tmp_path_factory.mktemp("models")), num_blocks=64,
             torch_threads=1, replica_id="pub-replica", redis_url=rs.url, namespace="svc", heartbeat_interval=0.2,
+            engine_process=False,  # the tests read the LLMEngine and the publisher in this process
         )
         with BackgroundReplica(settings) as replica:
             channel = grpc.insecure_channel(replica.target)

@@ -51,6 +51,7 @@ def stack(tmp_path_factory):
     settings = ReplicaSettings(
         host="127.0.0.1", port=0, model_cache_dir=str(tmp_path_factory.mktemp("models")), num_blocks=128,
         torch_threads=1, max_num_seqs=4, replica_id="telemetry-replica",
+        engine_process=True,  # pins the phase spans on admissions reported by the engine process
     )
     with BackgroundReplica(settings, telemetry=telemetry) as replica:
         channel = grpc.insecure_channel(replica.target)
