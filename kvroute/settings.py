@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         env = ENV_PREFIX + f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"{f.metadata.get('help', '')} [env {env}; default {default!r}]"
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default {default!r}]".replace("%", "%%")
         parser.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None, help=help_text,
             choices=f.metadata.get("choices"),

@@ -43,7 +43,7 @@ class RouterSettings:
         ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"
     )
     cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
-    kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at 100% KV usage")
+    kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
     in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
     speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")

@@ -1,0 +1,335 @@
+"""The router process: consumer + index + registry + discovery + load sync + gRPC proxy, health,
+reflection and telemetry (DESIGN.md §5, §6).
+
+    start():  tokenizer (the replicas' model folder) ─▶ gRPC up (liveness SERVING, readiness
+              NOT_SERVING) ─▶ consumer, discovery, load sync threads ─▶ readiness / "" / service
+              names SERVING once the consumer has bootstrapped (every stream read to its end)
+    stop():   every status NOT_SERVING ─▶ grpc stop(grace) (in-flight calls are cancelled after it,
+              which cancels their upstream calls) ─▶ replica channels closed ─▶ threads stopped
+
+``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m router`` and ``kvroute router``
+call :func:`main`. Tests and benchmarks use :class:`RouterServer` (``port=0`` binds a free port,
+read back from ``.port``) or :class:`BackgroundRouter` (the same on its own event-loop thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvroute.hashing import BlockHasher
+from kvroute.model_folder import ModelLoadError
+from kvroute.redis_layout import RedisLayout
+from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
+from router.consumer import EventConsumer
+from router.core import Router
+from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
+from router.index import BlockIndex
+from router.load import LoadTracker, RedisLoadSync
+from router.proxy import GenerationServicer, Proxy, RouterServicer, service_names
+from router.registry import ReplicaRegistry
+from router.scoring import Policy, make_policy
+from router.settings import RouterSettings
+from router.telemetry import RouterMetrics
+from router.tokenize import PromptTokenizer, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+LIVENESS = "liveness"
+READINESS = "readiness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_READY_POLL_S = 0.25
+
+
+def make_discovery(settings: RouterSettings, registry: ReplicaRegistry) -> Discovery:
+    """The discovery ``settings.discovery`` names, attached to ``registry`` (not started).
+
+    Raises:
+        ValueError: a static address that is not host:port, or static discovery without replicas.
+    """
+    mode = settings.discovery
+    if mode == "static":
+        addresses = [a for a in settings.replicas.split(",") if a.strip()]
+        if not addresses:
+            raise ValueError("replicas: static discovery needs a comma-separated host:port list")
+        discovery: Discovery = StaticDiscovery(addresses)
+    elif mode == "kubernetes":
+        discovery = KubernetesDiscovery(settings.k8s_namespace, settings.k8s_service, port_name=settings.k8s_port_name)
+    else:
+        discovery = RedisDiscovery(registry)
+    discovery.attach(registry)
+    return discovery
+
+
+class RouterServer:
+    """One router's gRPC server and the machinery behind it (see the module docstring).
+
+    After ``await start()``: ``port`` (bound), ``router_id``, ``router`` (core.Router), ``proxy``,
+    ``index``, ``registry``, ``consumer``, ``load``, ``discovery``, ``tokenizer``.
+    """
+
+    def __init__(self, settings: RouterSettings, *, telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry
+        self.port: int | None = None
+        self.router_id = settings.router_id
+        self.tokenizer: PromptTokenizer | None = None
+        self.index: BlockIndex | None = None
+        self.registry: ReplicaRegistry | None = None
+        self.consumer: EventConsumer | None = None
+        self.discovery: Discovery | None = None
+        self.load: LoadTracker | None = None
+        self.load_sync: RedisLoadSync | None = None
+        self.router: Router | None = None
+        self.proxy: Proxy | None = None
+        self.metrics: RouterMetrics | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._ready_task: asyncio.Task | None = None
+        self._threads: list[Any] = []  # started parts with a stop(): consumer, discovery, load sync
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    @property
+    def target(self) -> str:
+        """``host:port`` to dial on this machine."""
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def policy(self, name: str) -> Policy:
+        """A fresh policy of that name with this router's weights and seed."""
+        s = self.settings
+        return make_policy(name, s.weights(), None if s.seed < 0 else s.seed)
+
+    async def _set_all(self, status: int) -> None:
+        for name in ("", READINESS, *service_names()):
+            await self._health.set(name, status)
+
+    async def start(self) -> None:
+        """Load the tokenizer, bind and serve, start the background threads; readiness follows
+        the consumer's bootstrap (``wait_ready``).
+
+        Raises:
+            ModelLoadError: no tokenizer (the message says to pass --model).
+            ValueError: an inconsistent setting (the message names it).
+            RuntimeError: the port cannot be bound.
+        """
+        s = self.settings
+        self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_folder, resolve_model_dir(s.model, s.model_cache_dir))
+        hasher = BlockHasher(s.hash_algorithm, s.hash_seed, s.block_size)
+        layout = RedisLayout(s.namespace, s.event_shards)
+        index_lock = threading.Lock()
+        self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
+        self.registry = ReplicaRegistry(hasher.identity, s.discovery)
+        self.discovery = make_discovery(s, self.registry)
+        self.load = LoadTracker()
+        self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
+        self.consumer = EventConsumer(
+            s.redis_url, layout, self.index, self.registry,
+            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
+        )
+
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = server
+        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        if not self.port:
+            raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
+        # The bound port, not the flag: two routers started with --port 0 must not share an id
+        # (their load keys in Redis would overwrite each other).
+        self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval)
+        tracer = None
+        if self.telemetry is not None:
+            self.metrics = RouterMetrics(
+                self.telemetry.meter("kvroute.router"), model=self.tokenizer.model_name,
+                consumer=self.consumer, registry=self.registry,
+            )
+            if self.telemetry.tracing:  # spans nobody exports are not made
+                tracer = self.telemetry.tracer("kvroute.router")
+        self.proxy = Proxy(
+            self.router, self.tokenizer, policy_factory=self.policy,
+            max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
+        )
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
+        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        await self._set_all(_NOT_SERVING)
+        await self._health.set(LIVENESS, _SERVING)
+        await server.start()
+        for part in (self.consumer, self.discovery, self.load_sync):
+            part.start()
+            self._threads.append(part)
+        self._ready_task = asyncio.create_task(self._become_ready())
+        log.info(
+            "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s",
+            self.router_id, s.host, self.port, s.policy, s.discovery, s.redis_url, s.namespace,
+            self.tokenizer.model_name,
+        )
+
+    async def _become_ready(self) -> None:
+        assert self.consumer is not None
+        while not self._stopping and not await asyncio.to_thread(self.consumer.wait_ready, _READY_POLL_S):
+            pass
+        if self._stopping:
+            return
+        await self._set_all(_SERVING)
+        self._ready.set()
+        assert self.registry is not None
+        log.info("router %s ready: %d replica(s) routable", self.router_id, len(self.registry.routable()))
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until readiness is SERVING; False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """NOT_SERVING everywhere, stop gRPC within ``grace`` seconds (calls still running then are
+        cancelled, and with them their upstream calls), close the replica channels, stop the
+        threads. Idempotent."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        try:
+            await self._health.enter_graceful_shutdown()
+            if self._server is not None:
+                await self._server.stop(grace)
+            if self._ready_task is not None:
+                with contextlib.suppress(Exception):
+                    await self._ready_task
+            if self.proxy is not None:
+                await self.proxy.close()
+            for part in reversed(self._threads):
+                await asyncio.to_thread(part.stop)
+        finally:
+            self._stopped.set()
+            if self.port is not None:
+                log.info("router %s stopped", self.router_id)
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+
+class BackgroundRouter:
+    """A :class:`RouterServer` on its own event-loop thread, for synchronous callers (tests,
+    benchmarks): ``with BackgroundRouter(settings) as r: dial(r.target)``. Waits for readiness
+    (``ready_timeout`` seconds; None = don't wait).
+
+    Raises (constructor): whatever ``RouterServer.start`` raises, after cleaning up;
+    TimeoutError when the router is not ready in time.
+    """
+
+    def __init__(self, settings: RouterSettings, *, telemetry: Telemetry | None = None,
+                 ready_timeout: float | None = 30.0):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="router-server-loop", daemon=True)
+        self._thread.start()
+        self.server = RouterServer(settings, telemetry=telemetry)
+        try:
+            self.run(self.server.start(), 60.0)
+            if ready_timeout is not None and not self.run(self.server.wait_ready(ready_timeout), ready_timeout + 5):
+                raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {settings.redis_url} up?)")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, grace: float = 1.0) -> None:
+        """Stop the server and its loop thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self.run(self.server.stop(grace), grace + 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self) -> BackgroundRouter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def serve(settings: RouterSettings, *, telemetry: Telemetry | None = None) -> None:
+    """Run a router until SIGTERM / SIGINT, then stop it gracefully."""
+    own_telemetry = telemetry is None
+    if telemetry is None:
+        telemetry = setup_telemetry(
+            "kvroute-router", settings.metrics_port if settings.metrics_port >= 0 else None, set_global=True,
+        )
+        if telemetry.metrics_port is not None:
+            log.info("metrics on :%d/metrics", telemetry.metrics_port)
+    server = RouterServer(settings, telemetry=telemetry)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            await server.start()
+        except BaseException:
+            await server.stop(grace=0)
+            raise
+        await stop.wait()
+        log.info("router %s: stopping", server.router_id)
+        await server.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if own_telemetry:
+            telemetry.shutdown()
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``python -m router`` / ``kvroute router``: flags (or ``KVROUTE_*``) -> RouterSettings -> serve."""
+    from kvroute.settings import load_settings
+
+    prog = prog or "python -m router"
+    try:
+        settings = load_settings(
+            RouterSettings, argv, prog=prog,
+            description="A kvroute router: KV events in, prefix-aware routing decisions out, generation proxied.",
+        )
+        settings.weights()  # the weights' own checks, before anything starts
+    except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except ModelLoadError as e:  # the message says what to pass
+        log.error("router failed: %s", e)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one readable line instead of a traceback
+        log.error("router failed: %s: %s", type(e).__name__, e)
+        return 1
+    return 0
+
+
+__all__ = ["LIVENESS", "READINESS", "BackgroundRouter", "RouterServer", "main", "make_discovery", "serve"]
