@@ -7,12 +7,24 @@ torch (DESIGN.md §1).
                                                  KV cache managers: round robin vs longest prefix
     kvroute replica [--flag ...]                 run one replica (gRPC + engine + KV events); its
                                                  flags are ReplicaSettings' (kvroute replica --help)
+    kvroute router [--flag ...]                  run one router (KV event consumer + gRPC proxy); its
+                                                 flags are RouterSettings' (kvroute router --help)
+    kvroute up [--replicas N] [...] [-- CMD ...]  redis + N replicas + a router on this machine until
+                                                 Ctrl-C (or, with CMD, until CMD ends; {target} in CMD
+                                                 becomes the router's host:port) -- kvroute.cluster
+    kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute.client
+    kvroute bench [--trace F] [--target H:P]     replay a Mooncake trace through a running cluster per
+                                                 routing policy and print the table -- kvroute.bench
+
+Argument errors exit 2 with the usage line; a command that cannot reach what it needs exits 1 (up,
+generate) or 2 (bench) with one line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import sys
 import time
 
@@ -85,6 +97,86 @@ def _replica(args: argparse.Namespace) -> int:
     return replica_main(args.passthrough, prog="kvroute replica")
 
 
+def _router(args: argparse.Namespace) -> int:
+    from router.server import main as router_main
+
+    return router_main(args.passthrough, prog="kvroute router")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvroute.cluster import up_main
+
+    return up_main(args.config, args.after)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvroute.client import generate_main
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    return generate_main(
+        args.target, text, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+        cache_salt=args.cache_salt, ignore_eos=args.ignore_eos, seed=args.seed, timeout=args.timeout,
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvroute.bench import bench_main
+
+    return bench_main(args.config)
+
+
+def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute.cluster import ClusterConfig
+
+    try:
+        args.config = ClusterConfig(
+            replicas=args.replicas, host=args.host, router_port=args.router_port, base_port=args.base_port,
+            redis_url=args.redis_url, namespace=args.namespace, model=args.model,
+            model_cache_dir=args.model_cache_dir, kv_cache_memory_mb=args.kv_cache_memory_mb,
+            num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+            torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
+            router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
+            ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute.client import parse_target
+
+    try:
+        parse_target(args.target)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.text:
+        p.error("text: must not be empty (pass the prompt, or - to read it from stdin)")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    if args.temperature is not None and not args.temperature >= 0:
+        p.error(f"--temperature: must be >= 0, got {args.temperature}")
+    if args.timeout is not None and args.timeout <= 0:
+        p.error(f"--timeout: must be > 0, got {args.timeout}")
+
+
+def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute.bench import BenchConfig
+    from kvroute.client import parse_target
+    from kvroute.trace import BUNDLED_TRACE
+
+    try:
+        parse_target(args.target)
+        args.config = BenchConfig(
+            target=args.target, trace=args.trace or str(BUNDLED_TRACE), requests=args.requests,
+            tokens_per_block=args.tokens_per_block, output_scale=args.output_scale,
+            max_output_tokens=args.max_output_tokens, time_scale=args.time_scale, concurrency=args.concurrency,
+            policies=tuple(s.strip() for s in args.policies.split(",")), interleave=args.interleave, out=args.out,
+            request_timeout=args.request_timeout, progress=not args.no_progress,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="Prefix-aware routing cluster for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -100,17 +192,105 @@ def build_parser() -> argparse.ArgumentParser:
     # the replica itself (replica.server.main), so that `kvroute --help` stays torch-free.
     r = sub.add_parser("replica", add_help=False, help="run one replica (flags: kvroute replica --help)")
     r.set_defaults(func=_replica, passthrough=[])
+    # Same for the router: its flags are RouterSettings', parsed by router.server.main.
+    rt = sub.add_parser("router", add_help=False, help="run one router (flags: kvroute router --help)")
+    rt.set_defaults(func=_router, passthrough=[])
+
+    u = sub.add_parser(
+        "up", help="run redis + N replicas + a router on this machine until Ctrl-C",
+        description="Start an embedded redis-server (unless --redis-url), N replicas and a router as child "
+                    "processes, wait until all are ready, print the endpoints, and stop them all on Ctrl-C or "
+                    "SIGTERM. With `-- CMD ...` run CMD once ready ({target} in it becomes the router's "
+                    "host:port), then stop, exiting with CMD's status.",
+    )
+    u.add_argument("--replicas", type=int, default=2, help="replica processes (default 2)")
+    u.add_argument("--host", default="127.0.0.1", help="listen address of every process (default 127.0.0.1)")
+    u.add_argument("--router-port", type=int, default=50050, help="the router's port (default 50050; 0 = free)")
+    u.add_argument("--base-port", type=int, default=0, help="replica i on BASE+i (default 0: free ports)")
+    u.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server")
+    u.add_argument("--namespace", default="default", help="Redis key namespace of the cluster")
+    u.add_argument("--model", default="", help="model folder (default: the generated default model)")
+    u.add_argument("--model-cache-dir", default="", help="where the default model lives (~/.cache/kvroute/models)")
+    u.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV cache budget per replica on CPU, MiB")
+    u.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (overrides the budget)")
+    u.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
+    u.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (default 1)")
+    u.add_argument("--replica-args", default="", help="more replica flags, one string (kvroute replica --help)")
+    u.add_argument("--router-args", default="", help="more router flags, one string (kvroute router --help)")
+    u.add_argument("--log-dir", default="", help="where each process's log goes (default: a new temp folder)")
+    u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    u.add_argument("--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    u.set_defaults(func=_up, check=_check_up, after=[])
+
+    g = sub.add_parser("generate", help="stream one generation from a router",
+                       description="Send one prompt to a router (GenerationService.GenerateStream), print the "
+                                   "text as it streams, then one line: finish reason, usage, routing.")
+    g.add_argument("text", help="the prompt (- reads it from stdin)")
+    g.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
+    g.add_argument("--chat", action="store_true", help="send the text as one user message (chat template)")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the engine's, 1.0)")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--cache-salt", default="", help="prefix-cache isolation key (tenant)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")
+    g.set_defaults(func=_generate, check=_check_generate)
+
+    b = sub.add_parser(
+        "bench", help="replay a Mooncake trace through a running cluster, per routing policy",
+        description="Replay a Mooncake-format trace through the router at --target once per policy (switched "
+                    "with RouterService.SetPolicy, each run with its own cache_salt) and print one table: "
+                    "requests, errors, prefix cache hit rate (the replicas' counters), TTFT p50/p99, TPOT p50, "
+                    "requests per replica, and the bounds computed from the trace's hash ids.",
+    )
+    b.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled FAST'25 trace)")
+    b.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
+    b.add_argument("--requests", type=int, default=1000, help="the first N trace requests (default 1000)")
+    b.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block (default 16)")
+    b.add_argument("--output-scale", type=float, default=0.02,
+                   help="output tokens = max(1, round(output_length * S)) (default 0.02)")
+    b.add_argument("--max-output-tokens", type=int, default=256, help="cap on output tokens (default 256)")
+    b.add_argument("--time-scale", type=float, default=None,
+                   help="open loop: send each request at timestamp * X (default: closed loop)")
+    b.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: C requests in flight (default 8); with --time-scale, a cap")
+    b.add_argument("--policies", default="kvroute,round_robin", help="comma-separated (default kvroute,round_robin)")
+    b.add_argument("--interleave", type=int, default=0,
+                   help="policies take turns every N requests, so that drift on the machine hits all alike "
+                        "(default 0: each policy replays the whole trace in turn)")
+    b.add_argument("--out", default=None, help="write bench.json and bench.png into this folder")
+    b.add_argument("--request-timeout", type=float, default=300.0, help="deadline per request, seconds")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=_bench, check=_check_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    after: list[str] = []
+    if argv[:1] == ["up"] and "--" in argv:  # `kvroute up [flags] -- CMD ...`
+        i = argv.index("--")
+        argv, after = argv[:i], argv[i + 1:]
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.func is _replica:
+    if args.func in (_replica, _router):
         args.passthrough = rest
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        sub_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.func is _up:
+        args.after = after
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(sub_parser(parser, args.command), args)
     return args.func(args)
+
+
+def sub_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subcommand's parser, so that its errors print its own usage line."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers here
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return action.choices[name]
+    return parser
 
 
 if __name__ == "__main__":

@@ -1,0 +1,611 @@
+"""``kvroute bench``: replay a Mooncake-format trace through a running cluster, once per routing
+policy, and report what each policy achieved (DESIGN.md §7).
+
+    trace lines ──TraceTokenizer──▶ prompts (hash id -> fixed block of tokens: equal ids, equal prefixes)
+       │                            max_tokens = max(1, round(output_length * output_scale)), capped; ignore_eos
+       ▼
+    for each policy:  RouterService.SetPolicy(policy)
+                      ReplicaService.GetLoad on every replica  (prefix-cache counters before)
+                      GenerationService.GenerateStream x N     (cache_salt unique to this run and policy;
+                                                                open loop at timestamp * time_scale,
+                                                                or closed loop at a concurrency)
+                      ReplicaService.GetLoad on every replica  (counters after)
+    table: requests, errors, hit rate = delta hits / delta queries (tokens, the replicas' own
+           counters), TTFT p50/p99 and TPOT p50 (client side), requests per replica; next to it the
+           bounds computed from the hash ids alone (kvroute.trace.hit_rate_bounds)
+
+Policies can take turns (``--interleave N``: N requests under one, the same N under the next, then
+the next N, ...), so that drift in the machine's load (neighbours, thermal, a noisy CI box) hits
+every policy alike, as bench/replica.py alternates its cells. Each policy still sees the whole
+trace in order, with its own salt, so its hit rate is what a run alone would get as long as the
+replicas' KV caches hold both working sets; only its pipeline drains at each turn.
+
+Why a salt per policy: the salt enters block 0's hash (DESIGN.md §2), so the runs share no KV
+block: the second policy can never hit what the first one cached, and a later bench against the
+same cluster (a fresh random run id) cannot hit this one's. Other traffic on the cluster during the
+run is counted in the replicas' counters; bench on a cluster nobody else uses.
+
+Replica addresses come from ``RouterService.Score`` (every replica the router knows, with the
+address it dials). When a replica cannot be reached from here (say, the cluster is behind a
+Kubernetes Service), the hit rate falls back to the responses' usage: cached / prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvroute.client import describe_rpc_error
+from kvroute.trace import BUNDLED_TRACE, TraceRequest, TraceTokenizer, hit_rate_bounds, load_mooncake
+from kvroute.v1 import generation_pb2 as gen_pb
+from kvroute.v1 import generation_pb2_grpc as gen_grpc
+from kvroute.v1 import replica_pb2 as rep_pb
+from kvroute.v1 import replica_pb2_grpc as rep_grpc
+from kvroute.v1 import router_pb2 as router_pb
+from kvroute.v1 import router_pb2_grpc as router_grpc
+
+_RPC_TIMEOUT_S = 10.0
+
+
+class BenchError(Exception):
+    """The bench cannot run (the message says why and names the flag or the target)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """``kvroute bench`` flags (see ``kvroute bench --help``)."""
+
+    target: str
+    trace: str = str(BUNDLED_TRACE)
+    requests: int | None = 1000
+    tokens_per_block: int = 16
+    output_scale: float = 0.02
+    max_output_tokens: int = 256
+    time_scale: float | None = None
+    concurrency: int | None = None
+    policies: tuple[str, ...] = ("kvroute", "round_robin")
+    interleave: int = 0  # policies take turns every N requests (0: each runs the whole trace in turn)
+    out: str | None = None
+    request_timeout: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"--requests: must be >= 1, got {self.requests}")
+        if self.tokens_per_block < 1:
+            raise ValueError(f"--tokens-per-block: must be >= 1, got {self.tokens_per_block}")
+        if not (self.output_scale > 0 and math.isfinite(self.output_scale)):
+            raise ValueError(f"--output-scale: must be > 0, got {self.output_scale}")
+        if self.max_output_tokens < 1:
+            raise ValueError(f"--max-output-tokens: must be >= 1, got {self.max_output_tokens}")
+        if self.time_scale is not None and not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"--time-scale: must be >= 0, got {self.time_scale}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency: must be >= 1, got {self.concurrency}")
+        if not self.policies or any(not p for p in self.policies):
+            raise ValueError(f"--policies: expected comma-separated policy names, got {','.join(self.policies)!r}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policies: a policy is listed twice ({','.join(self.policies)})")
+        if self.interleave < 0:
+            raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
+
+    @property
+    def mode(self) -> str:
+        """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
+        turns = f"; policies take turns every {self.interleave} requests" if self.interleave else ""
+        if self.time_scale is None:
+            return f"closed loop, concurrency {self.effective_concurrency}{turns}"
+        cap = f", at most {self.concurrency} in flight" if self.concurrency else ""
+        return f"open loop, trace timestamps x {self.time_scale:g}{cap}{turns}"
+
+    @property
+    def effective_concurrency(self) -> int | None:
+        if self.time_scale is None:
+            return self.concurrency or 8
+        return self.concurrency
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One trace request made concrete: when it is sent (seconds after the start), its prompt and
+    how many tokens it generates."""
+
+    index: int
+    arrival_s: float
+    token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    index: int
+    error: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+    replica_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_cached_tokens: int = 0
+
+
+@dataclass
+class PolicyResult:
+    """One policy's run. ``hit_rate`` is the replicas' counters' delta (``hit_rate_source``
+    "replica counters"), or cached / prompt tokens of the responses when a replica was unreachable."""
+
+    policy: str
+    cache_salt: str
+    wall_s: float
+    results: list[RequestResult]
+    prefix_cache_queries: int | None
+    prefix_cache_hits: int | None
+    preemptions: int | None
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.results) - len(self.ok)
+
+    @property
+    def hit_rate_source(self) -> str:
+        return "replica counters" if self.prefix_cache_queries else "response usage"
+
+    @property
+    def hit_rate(self) -> float:
+        if self.prefix_cache_queries:
+            return (self.prefix_cache_hits or 0) / self.prefix_cache_queries
+        prompt = sum(r.prompt_tokens for r in self.ok)
+        return sum(r.cached_tokens for r in self.ok) / prompt if prompt else 0.0
+
+    def percentile(self, attr: str, q: float) -> float | None:
+        values = [getattr(r, attr) for r in self.ok if getattr(r, attr) is not None]
+        return float(np.percentile(values, q)) if values else None
+
+    def share(self) -> dict[str, int]:
+        return dict(sorted(Counter(r.replica_id for r in self.ok).items()))
+
+    def prediction_accuracy(self) -> float | None:
+        """Sum of predicted cached tokens over sum of actual cached tokens (1.0 = exact)."""
+        actual = sum(r.cached_tokens for r in self.ok)
+        return sum(r.predicted_cached_tokens for r in self.ok) / actual if actual else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "cache_salt": self.cache_salt, "requests": len(self.results),
+            "errors": self.errors, "hit_rate": self.hit_rate, "hit_rate_source": self.hit_rate_source,
+            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+            "preemptions": self.preemptions,
+            "ttft_p50_s": self.percentile("ttft_s", 50), "ttft_p99_s": self.percentile("ttft_s", 99),
+            "tpot_p50_s": self.percentile("tpot_s", 50), "latency_p50_s": self.percentile("latency_s", 50),
+            "requests_per_replica": self.share(), "predicted_over_actual_cached": self.prediction_accuracy(),
+            "prompt_tokens": sum(r.prompt_tokens for r in self.ok),
+            "completion_tokens": sum(r.completion_tokens for r in self.ok),
+            "wall_s": self.wall_s,
+            "error_samples": sorted({r.error for r in self.results if r.error})[:5],
+        }
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    model: str
+    block_size: int
+    replicas: dict[str, str]  # replica_id -> address
+    bounds: dict[str, float]
+    num_requests: int
+    prompt_tokens: int
+    truncated: int
+    policies: list[PolicyResult] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config), "model": self.model, "block_size": self.block_size,
+            "replicas": self.replicas, "bounds": self.bounds, "requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens, "truncated_prompts": self.truncated,
+            "policies": [p.summary() for p in self.policies],
+            "per_request": {p.policy: [asdict(r) for r in p.results] for p in self.policies},
+        }
+
+
+# -- planning --------------------------------------------------------------------------------------
+def plan_requests(
+    trace: Sequence[TraceRequest], tokenizer: TraceTokenizer, *, output_scale: float, max_output_tokens: int,
+    time_scale: float | None, max_model_len: int = 0,
+) -> tuple[list[PlannedRequest], int]:
+    """The trace's requests as prompts and output lengths, and how many prompts were cut to fit
+    ``max_model_len`` (0 = no limit; a prompt keeps at least one slot for its output)."""
+    t_first = min((r.timestamp_ms for r in trace), default=0.0)
+    planned = []
+    truncated = 0
+    for i, r in enumerate(trace):
+        ids = tokenizer.token_ids(r)
+        max_tokens = min(max(1, round(r.output_length * output_scale)), max_output_tokens)
+        if max_model_len:
+            if len(ids) >= max_model_len:
+                ids = ids[: max_model_len - 1]
+                truncated += 1
+            max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
+        arrival = (r.timestamp_ms - t_first) / 1000.0 * time_scale if time_scale is not None else 0.0
+        planned.append(PlannedRequest(i, arrival, ids, max_tokens))
+    return planned, truncated
+
+
+# -- the run ---------------------------------------------------------------------------------------
+class _Cluster:
+    """The router's stubs and the replicas' (addresses from ``Score``)."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(target)
+        self.gen = gen_grpc.GenerationServiceStub(self.channel)
+        self.router = router_grpc.RouterServiceStub(self.channel)
+        self._replica_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def close(self) -> None:
+        for ch in [self.channel, *self._replica_channels.values()]:
+            await ch.close(grace=None)
+
+    async def replicas(self) -> tuple[dict[str, str], list[str], str]:
+        """(routable replica_id -> address, every known replica line, the current policy)."""
+        resp = await self.router.Score(
+            router_pb.ScoreRequest(token_ids=gen_pb.TokenIds(ids=[0])), timeout=_RPC_TIMEOUT_S
+        )
+        routable = {r.replica_id: r.address for r in resp.replicas if r.routable}
+        lines = [f"{r.replica_id} {r.address} {'routable' if r.routable else 'NOT routable: ' + r.reason}"
+                 for r in resp.replicas]
+        return dict(sorted(routable.items())), lines, resp.policy
+
+    async def set_policy(self, name: str) -> str:
+        resp = await self.router.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S)
+        return resp.policy
+
+    async def counters(self, replicas: dict[str, str]) -> dict[str, rep_pb.Load | None]:
+        """Each replica's Load (None where it cannot be reached from here)."""
+
+        async def one(address: str) -> rep_pb.Load | None:
+            ch = self._replica_channels.get(address)
+            if ch is None:
+                ch = self._replica_channels[address] = grpc.aio.insecure_channel(address)
+            try:
+                return await rep_grpc.ReplicaServiceStub(ch).GetLoad(rep_pb.GetLoadRequest(), timeout=3.0)
+            except grpc.aio.AioRpcError:
+                return None
+
+        loads = await asyncio.gather(*(one(a) for a in replicas.values()))
+        return dict(zip(replicas, loads, strict=True))
+
+
+async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, timeout: float) -> RequestResult:
+    req = gen_pb.GenerateRequest(
+        request_id=f"bench-{run_id}-{p.index}",
+        token_ids=gen_pb.TokenIds(ids=p.token_ids),
+        sampling=gen_pb.SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True),
+        cache_salt=salt,
+    )
+    res = RequestResult(p.index)
+    t0 = time.perf_counter()
+    first = last = None
+    final = None
+    try:
+        async for resp in cluster.gen.GenerateStream(req, timeout=timeout):
+            now = time.perf_counter()
+            if resp.token_ids:
+                first = first if first is not None else now
+                last = now
+            if resp.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                final = resp
+    except grpc.aio.AioRpcError as e:
+        res.error = f"{e.code().name}: {e.details()}"
+        return res
+    res.latency_s = time.perf_counter() - t0
+    if final is None:
+        res.error = "the stream ended without a final message"
+        return res
+    res.ttft_s = (first - t0) if first is not None else None
+    u = final.usage
+    res.prompt_tokens, res.completion_tokens, res.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
+    if u.completion_tokens > 1 and first is not None and last is not None:
+        res.tpot_s = (last - first) / (u.completion_tokens - 1)
+    res.replica_id = final.routing.replica_id
+    res.predicted_cached_tokens = final.routing.predicted_cached_tokens
+    return res
+
+
+class _Progress:
+    """One tqdm bar per policy (stacked), or nothing."""
+
+    def __init__(self, policies: Sequence[str], total: int, enabled: bool):
+        self.bars: dict[str, Any] = {}
+        if enabled:
+            from tqdm import tqdm
+
+            width = max(map(len, policies))
+            self.bars = {
+                name: tqdm(total=total, desc=f"{name:<{width}}", unit="req", file=sys.stderr, position=k,
+                           dynamic_ncols=True, mininterval=0.5, leave=True)
+                for k, name in enumerate(policies)
+            }
+
+    def update(self, policy: str, errors: int) -> None:
+        bar = self.bars.get(policy)
+        if bar is not None:
+            bar.update(1)
+            if errors:
+                bar.set_postfix(errors=errors, refresh=False)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+@dataclass
+class _PolicyRun:
+    """What one policy has accumulated over its segments."""
+
+    policy: str
+    salt: str
+    results: list[RequestResult] = field(default_factory=list)
+    wall_s: float = 0.0
+    counters: dict[str, int | None] = field(
+        default_factory=lambda: {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
+    )
+
+    def add_counters(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        for attr, total in self.counters.items():
+            d = _delta(before, after, attr)
+            self.counters[attr] = None if d is None or total is None else total + d
+
+    def result(self) -> PolicyResult:
+        return PolicyResult(
+            policy=self.policy, cache_salt=self.salt, wall_s=self.wall_s,
+            results=sorted(self.results, key=lambda r: r.index), **self.counters,
+        )
+
+
+async def _run_segment(
+    cluster: _Cluster, planned: Sequence[PlannedRequest], run: _PolicyRun, run_id: str, cfg: BenchConfig,
+    progress: _Progress,
+) -> list[RequestResult]:
+    """Release each request at its arrival time (relative to the segment's first) and/or when a
+    concurrency slot frees up; return when all have ended."""
+    limit = cfg.effective_concurrency
+    sem = asyncio.Semaphore(limit) if limit else None
+
+    async def one(p: PlannedRequest) -> RequestResult:
+        try:
+            res = await _send(cluster, p, run.salt, run_id, cfg.request_timeout)
+        finally:
+            if sem is not None:
+                sem.release()
+        run.results.append(res)
+        progress.update(run.policy, sum(1 for r in run.results if r.error))
+        return res
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    t_first = planned[0].arrival_s if planned else 0.0
+    tasks = []
+    try:
+        for p in planned:
+            delay = start + (p.arrival_s - t_first) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is not None:
+                await sem.acquire()
+            tasks.append(asyncio.create_task(one(p)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], attr: str) -> int | None:
+    if any(v is None for v in (*before.values(), *after.values())):
+        return None
+    return sum(getattr(after[k], attr) - getattr(before[k], attr) for k in after)
+
+
+async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
+    """Replay the trace once per policy through the router at ``cfg.target`` (in alternating
+    segments of ``cfg.interleave`` requests when set).
+
+    Raises:
+        BenchError: the router cannot be reached, has no routable replica, or refuses a policy;
+            the trace cannot be read.
+    """
+    try:
+        trace = load_mooncake(cfg.trace, limit=cfg.requests)
+    except FileNotFoundError as e:
+        raise BenchError(f"--trace: no such file {cfg.trace!r}") from e
+    except ValueError as e:
+        raise BenchError(f"--trace: {e}") from e
+    if not trace:
+        raise BenchError(f"--trace: {cfg.trace} holds no request")
+    cluster = _Cluster(cfg.target)
+    try:
+        try:
+            info = await cluster.gen.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_RPC_TIMEOUT_S)
+            replicas, lines, original_policy = await cluster.replicas()
+        except grpc.aio.AioRpcError as e:
+            raise BenchError(describe_rpc_error(e, cfg.target)) from e
+        if not replicas:
+            known = "; ".join(lines) or "none"
+            raise BenchError(f"the router at {cfg.target} has no routable replica (known: {known})")
+        for policy in cfg.policies:  # refuse an unknown policy before anything runs
+            try:
+                await cluster.set_policy(policy)
+            except grpc.aio.AioRpcError as e:
+                raise BenchError(f"--policies: {describe_rpc_error(e, cfg.target)}") from e
+
+        tok = TraceTokenizer(cfg.tokens_per_block, vocab_size=info.vocab_size)
+        planned, truncated = plan_requests(
+            trace, tok, output_scale=cfg.output_scale, max_output_tokens=cfg.max_output_tokens,
+            time_scale=cfg.time_scale, max_model_len=info.max_model_len,
+        )
+        report = BenchReport(
+            config=cfg, model=info.model, block_size=info.block_size, replicas=replicas,
+            bounds=hit_rate_bounds(trace, len(replicas)), num_requests=len(planned),
+            prompt_tokens=sum(len(p.token_ids) for p in planned), truncated=truncated,
+        )
+        run_id = secrets.token_hex(4)
+        log(f"kvroute bench: {len(planned)} requests of {cfg.trace} ({report.prompt_tokens:,} prompt tokens, "
+            f"{cfg.tokens_per_block} per trace block; {sum(p.max_tokens for p in planned):,} output tokens) "
+            f"through {cfg.target}: model {info.model}, {len(replicas)} replicas; {cfg.mode}; run id {run_id}")
+        if cfg.tokens_per_block % info.block_size:
+            log(f"note: --tokens-per-block {cfg.tokens_per_block} is not a multiple of the KV block size "
+                f"{info.block_size}, so trace blocks and KV blocks do not line up; the bounds are looser")
+        if truncated:
+            log(f"note: {truncated} prompts were cut to the model's max_model_len {info.max_model_len}")
+        runs = [_PolicyRun(p, f"kvroute-bench:{run_id}:{p}") for p in cfg.policies]
+        step = cfg.interleave or len(planned)
+        progress = _Progress(cfg.policies, len(planned), cfg.progress)
+        try:
+            for a in range(0, len(planned), step):
+                for run in runs:
+                    await cluster.set_policy(run.policy)
+                    before = await cluster.counters(replicas)
+                    t0 = time.perf_counter()
+                    await _run_segment(cluster, planned[a:a + step], run, run_id, cfg, progress)
+                    run.wall_s += time.perf_counter() - t0
+                    run.add_counters(before, await cluster.counters(replicas))
+        finally:
+            progress.close()
+            if original_policy:
+                try:
+                    await cluster.set_policy(original_policy)
+                except grpc.aio.AioRpcError as e:
+                    log(f"warning: could not restore the router's policy {original_policy!r}: "
+                        f"{describe_rpc_error(e, cfg.target)}")
+        report.policies = [run.result() for run in runs]
+        return report
+    finally:
+        await cluster.close()
+
+
+# -- output ----------------------------------------------------------------------------------------
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def format_report(report: BenchReport) -> str:
+    """One table, a row per policy, and the bounds from the hash ids next to it."""
+    ids = list(report.replicas)
+    ideal, rr = report.bounds["ideal"], report.bounds["round_robin"]
+    head = (f"{'policy':<14}{'requests':>9}{'errors':>8}{'hit rate':>10}{'of ideal':>10}"
+            f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}   requests per replica (%)")
+    lines = [head]
+    for p in report.policies:
+        share = p.share()
+        n = max(len(p.ok), 1)
+        shares = "/".join(f"{100 * share.get(rid, 0) / n:.0f}" for rid in ids)
+        lines.append(
+            f"{p.policy:<14}{len(p.results):>9}{p.errors:>8}{p.hit_rate:>10.3f}"
+            f"{(p.hit_rate / ideal if ideal else 0):>10.0%}{_ms(p.percentile('ttft_s', 50)):>10}"
+            f"{_ms(p.percentile('ttft_s', 99)):>10}{_ms(p.percentile('tpot_s', 50)):>10}   {shares}"
+        )
+    lines.append("")
+    lines.append(f"bounds from the hash ids alone ({report.num_requests} requests, infinite caches): "
+                 f"ideal {ideal:.3f}, round robin over {len(ids)} {rr:.3f}")
+    sources = {p.hit_rate_source for p in report.policies}
+    lines.append(f"hit rate = prefix-cache hit tokens / queried tokens ({', '.join(sorted(sources))}); "
+                 f"replicas: {', '.join(ids)}")
+    by_name = {p.policy: p for p in report.policies}
+    if "kvroute" in by_name and "round_robin" in by_name:
+        k, r = by_name["kvroute"], by_name["round_robin"]
+        kt, rt = k.percentile("ttft_s", 50), r.percentile("ttft_s", 50)
+        ratio = f"{k.hit_rate / r.hit_rate:.2f}x" if r.hit_rate else "-"
+        ttft = f", TTFT p50 {kt / rt:.2f}x" if kt and rt else ""
+        lines.append(f"kvroute vs round_robin: hit rate {ratio}{ttft}")
+    errs = [(p.policy, e) for p in report.policies for e in p.summary()["error_samples"]]
+    for policy, e in errs[:5]:
+        lines.append(f"error ({policy}): {e}")
+    return "\n".join(lines)
+
+
+def write_outputs(report: BenchReport, out_dir: str | Path) -> tuple[Path, Path]:
+    """``bench.json`` (summary + per-request numbers) and ``bench.png`` (hit rate vs the bounds,
+    TTFT p50/p99) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
+    png_path = out / "bench.png"
+    _chart(report, png_path)
+    return json_path, png_path
+
+
+def _chart(report: BenchReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [p.policy for p in report.policies]
+    x = np.arange(len(names))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(x, [p.hit_rate for p in report.policies], color="tab:blue")
+    ax1.axhline(report.bounds["ideal"], ls="--", color="tab:green", label="ideal (one infinite cache)")
+    ax1.axhline(report.bounds["round_robin"], ls=":", color="tab:red",
+                label=f"round robin over {len(report.replicas)} infinite caches")
+    ax1.set_xticks(x, names)
+    ax1.set_ylabel("prefix cache hit rate (tokens)")
+    ax1.set_ylim(0, 1.35 * max([report.bounds["ideal"], *(p.hit_rate for p in report.policies)], default=0) or 1)
+    ax1.legend(fontsize=8, loc="upper right")
+    ax1.set_title("hit rate vs the bounds from the trace")
+    w = 0.38
+    p50 = [1000 * (p.percentile("ttft_s", 50) or 0) for p in report.policies]
+    p99 = [1000 * (p.percentile("ttft_s", 99) or 0) for p in report.policies]
+    ax2.bar(x - w / 2, p50, w, label="p50")
+    ax2.bar(x + w / 2, p99, w, label="p99")
+    ax2.set_xticks(x, names)
+    ax2.set_ylabel("time to first token (ms)")
+    ax2.legend(fontsize=8)
+    ax2.set_title("TTFT")
+    fig.suptitle(f"kvroute bench: {report.num_requests} requests, {len(report.replicas)} replicas, {report.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_main(cfg: BenchConfig) -> int:
+    """``kvroute bench``: 0 when every request succeeded, 1 when some failed, 2 when it cannot run,
+    130 on Ctrl-C."""
+    try:
+        report = asyncio.run(run_bench(cfg, log=lambda s: print(s, flush=True)))
+    except BenchError as e:
+        print(f"kvroute bench: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nkvroute bench: interrupted", file=sys.stderr)
+        return 130
+    print()
+    print(format_report(report), flush=True)
+    if cfg.out:
+        json_path, png_path = write_outputs(report, cfg.out)
+        print(f"wrote {json_path} and {png_path}")
+    return 1 if any(p.errors for p in report.policies) else 0
+
+
+__all__ = [
+    "BenchConfig", "BenchError", "BenchReport", "PlannedRequest", "PolicyResult", "RequestResult", "bench_main",
+    "format_report", "plan_requests", "run_bench", "write_outputs",
+]

@@ -1,0 +1,526 @@
+"""``kvroute up``: a whole cluster on this machine as supervised child processes (DESIGN.md §7).
+
+    up ─▶ redis-server (embedded, unless --redis-url) ─▶ default model generated once (a child
+       ─▶ N x `python -m replica` + `python -m router`   python, so that N replicas don't race to
+       ─▶ ready: every grpc.health.v1 "readiness" SERVING  write it and `up` stays torch-free)
+              and the router sees all N replicas routable (RouterService.Score)
+       ─▶ banner (endpoints, examples) ─▶ wait for Ctrl-C / SIGTERM, a child's death, or the end of
+          the command given after `--` ─▶ stop
+
+Stopping (``LocalCluster.stop``, idempotent): SIGTERM to the router's and the replicas' process
+groups at once, wait, SIGKILL what is left; then the same for redis, last, so that the replicas'
+publishers close against a live server. Every child runs in its own session (process group), so
+a terminal's Ctrl-C reaches only ``up``, which stops them in order, and whatever a child spawned
+goes with its group. ``stop`` also runs at exit (atexit) when ``up`` fails, and on Linux every child
+gets SIGTERM if ``up`` itself dies without cleaning up (``PR_SET_PDEATHSIG``). Each child's output
+goes to ``{log_dir}/{name}.log``; the banner prints the paths and a failure prints the tail.
+
+Imports no replica/router code and no torch: they run as ``python -m replica`` / ``python -m router``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
+from kvroute.redis_server import find_redis_server, free_port
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_POLL_S = 0.2
+EXAMPLE_PROMPT = "The harbour town woke before the sun."
+
+# Resolves (and on first use generates) the model exactly as a replica does: replica.server's own
+# resolution, in a child python so that `up` never imports torch.
+_RESOLVE_MODEL = (
+    "import sys\n"
+    "from replica.server import resolve_model_dir\n"
+    "from replica.settings import ReplicaSettings\n"
+    "print(resolve_model_dir(ReplicaSettings(model=sys.argv[1], model_cache_dir=sys.argv[2]))[0])\n"
+)
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start (the message names the process, and its log's last lines)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``kvroute up`` starts (see ``kvroute up --help``)."""
+
+    replicas: int = 2
+    host: str = "127.0.0.1"
+    router_port: int = 50050  # 0 = a free port
+    base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
+    redis_url: str = ""  # empty = an embedded redis-server on a free port
+    namespace: str = DEFAULT_NAMESPACE
+    model: str = ""
+    model_cache_dir: str = ""
+    kv_cache_memory_mb: int | None = None
+    num_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    torch_threads: int = 1
+    replica_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_dir: str = ""  # empty = a new temporary folder, kept after exit
+    ready_timeout: float = 300.0
+    stop_timeout: float = 10.0
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas: must be >= 1, got {self.replicas}")
+        if not 0 <= self.router_port < 65536:
+            raise ValueError(f"--router-port: must be in 0..65535, got {self.router_port}")
+        if self.base_port and not 0 < self.base_port <= 65536 - self.replicas:
+            raise ValueError(f"--base-port: {self.replicas} ports from {self.base_port} do not fit in 1..65535")
+        if self.base_port and self.router_port and self.base_port <= self.router_port < self.base_port + self.replicas:
+            raise ValueError(f"--router-port {self.router_port} is one of the replicas' ports "
+                             f"({self.base_port}..{self.base_port + self.replicas - 1}); move --base-port")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
+            raise ValueError(f"--kv-cache-memory-mb: must be >= 1, got {self.kv_cache_memory_mb}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"--num-blocks: must be >= 2, got {self.num_blocks}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads: must be >= 0, got {self.torch_threads}")
+        if self.ready_timeout <= 0 or self.stop_timeout <= 0:
+            raise ValueError("--ready-timeout / --stop-timeout: must be > 0")
+        RedisLayout(self.namespace)  # its own check, naming the namespace
+
+    @property
+    def dial_host(self) -> str:
+        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+
+
+def _pdeathsig_preexec():
+    """Linux: a ``preexec_fn`` that makes the child get SIGTERM when the process that started it dies
+    (even by SIGKILL): ``prctl(PR_SET_PDEATHSIG, SIGTERM)``. The libc symbol is looked up here, in
+    the parent, so that the child, between fork and exec, only makes the call. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:  # pragma: no cover - runs in the child
+        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+    return preexec
+
+
+class Child:
+    """One supervised process in its own session; output appended to ``log_path``."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, target: str = ""):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.target = target  # host:port it serves gRPC on ("" for redis)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_pdeathsig_preexec(),
+            )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group (its session: the child and anything it spawned)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop_all(children: Sequence[Child], timeout: float) -> None:
+    """SIGTERM every group, wait up to ``timeout`` seconds, SIGKILL the rest (and their groups)."""
+    for c in children:
+        if c.running():
+            c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for c in children:
+        if c.proc is None:
+            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(max(deadline - time.monotonic(), 0.01))
+    for c in children:
+        if c.proc is None:
+            continue
+        c.signal_group(signal.SIGKILL)  # stragglers, and anything the child left in its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(5)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _health(stub: health_pb2_grpc.HealthStub, service: str = "readiness") -> int | None:
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status
+    except grpc.RpcError:
+        return None
+
+
+class LocalCluster:
+    """Redis, N replicas and a router as child processes (module docstring). ``start()`` returns
+    when all are ready; ``stop()`` stops them (idempotent, also at exit)."""
+
+    def __init__(self, config: ClusterConfig, *, log=print):
+        self.config = config
+        self.log = log
+        self.log_dir = Path(config.log_dir) if config.log_dir else None
+        self.redis: Child | None = None
+        self.redis_url = config.redis_url
+        self.replicas: list[Child] = []
+        self.router: Child | None = None
+        self.model_dir = config.model
+        self._stopped = False
+        atexit.register(self.stop)
+
+    @property
+    def router_target(self) -> str:
+        return self.router.target if self.router is not None else ""
+
+    @property
+    def children(self) -> list[Child]:
+        return [c for c in (self.redis, *self.replicas, self.router) if c is not None]
+
+    # -- start -----------------------------------------------------------------------------------
+    def start(self) -> LocalCluster:
+        """Start everything and wait until it is ready.
+
+        Raises:
+            ClusterError: a port is taken, the model cannot be generated, a process exits while
+                starting, or readiness is not reached within ``ready_timeout`` (everything started
+                is stopped first).
+        """
+        cfg = self.config
+        try:
+            if self.log_dir is None:
+                self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            router_port, replica_ports = self._ports()
+            if self.redis_url:
+                self._check_redis()
+            else:
+                self._start_redis()
+            self._resolve_model()
+            deadline = time.monotonic() + cfg.ready_timeout
+            for i, port in enumerate(replica_ports):
+                rid = f"replica-{i}"
+                self.replicas.append(Child(rid, self._replica_argv(rid, port), self.log_dir / f"{rid}.log",
+                                           target=f"{cfg.dial_host}:{port}").start())
+            self.router = Child("router", self._router_argv(router_port), self.log_dir / "router.log",
+                                target=f"{cfg.dial_host}:{router_port}").start()
+            self._wait_ready([*self.replicas, self.router], deadline)
+            self._wait_routable(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ports(self) -> tuple[int, list[int]]:
+        cfg = self.config
+        router_port = cfg.router_port or free_port(cfg.dial_host)
+        if cfg.router_port and not _port_free(cfg.host, router_port):
+            raise ClusterError(f"--router-port: port {router_port} on {cfg.host} is taken (another `kvroute up`?); "
+                               "pass another one, or 0 for a free one")
+        if cfg.base_port:
+            ports = [cfg.base_port + i for i in range(cfg.replicas)]
+            taken = [p for p in ports if not _port_free(cfg.host, p)]
+            if taken:
+                raise ClusterError(f"--base-port: port(s) {', '.join(map(str, taken))} on {cfg.host} are taken")
+        else:
+            ports = []
+            while len(ports) < cfg.replicas:
+                p = free_port(cfg.dial_host)
+                if p != router_port and p not in ports:
+                    ports.append(p)
+        return router_port, ports
+
+    def _start_redis(self) -> None:
+        port = free_port()
+        argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                "no", "--dir", str(self.log_dir), "--protected-mode", "no", "--loglevel", "warning"]
+        self.redis = Child("redis", argv, self.log_dir / "redis.log", target=f"127.0.0.1:{port}").start()
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if not self.redis.running():
+                raise ClusterError(self._died(self.redis, "while starting"))
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.05)
+        raise ClusterError(f"redis-server did not answer on port {port} within 15 s (log: {self.redis.log_path})")
+
+    def _check_redis(self) -> None:
+        import redis
+
+        try:
+            redis.Redis.from_url(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
+        except (redis.RedisError, ValueError) as e:
+            raise ClusterError(f"--redis-url: cannot reach {self.redis_url} ({e})") from e
+
+    def _resolve_model(self) -> None:
+        """Generate the default model once, before N replicas would race to write it."""
+        cfg = self.config
+        self.log("kvroute up: resolving the model (the default one is generated on first use) ...", flush=True)
+        try:
+            proc = subprocess.run(
+                [cfg.python, "-c", _RESOLVE_MODEL, cfg.model, cfg.model_cache_dir],
+                capture_output=True, text=True, timeout=600,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise ClusterError("resolving the model took more than 10 minutes") from e
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            raise ClusterError(f"cannot resolve the model (--model {cfg.model!r}, --model-cache-dir "
+                               f"{cfg.model_cache_dir!r}):\n{tail}")
+        self.model_dir = proc.stdout.strip().splitlines()[-1]
+
+    def _model_flags(self) -> list[str]:
+        # The generated default model is passed by path, so router and replicas read the same folder.
+        return ["--model", self.model_dir] if self.model_dir else []
+
+    def _replica_argv(self, replica_id: str, port: int) -> list[str]:
+        cfg = self.config
+        argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
+                "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
+                *self._model_flags()]
+        if cfg.kv_cache_memory_mb is not None:
+            argv += ["--kv-cache-memory-mb", str(cfg.kv_cache_memory_mb)]
+        if cfg.num_blocks is not None:
+            argv += ["--num-blocks", str(cfg.num_blocks)]
+        if cfg.max_num_batched_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+        return argv + list(cfg.replica_args)
+
+    def _router_argv(self, port: int) -> list[str]:
+        cfg = self.config
+        return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--namespace", cfg.namespace, *self._model_flags(), *cfg.router_args]
+
+    def _died(self, child: Child, when: str) -> str:
+        tail = child.log_tail()
+        return (f"{child.name} exited with status {child.returncode()} {when}; last lines of {child.log_path}:\n"
+                + (tail or "(empty)"))
+
+    def _wait_ready(self, children: Sequence[Child], deadline: float) -> None:
+        """Until every child's grpc.health.v1 ``readiness`` is SERVING."""
+        channels = {c.name: grpc.insecure_channel(c.target) for c in children}
+        try:
+            pending = {c.name: c for c in children}
+            while pending:
+                for name, c in list(pending.items()):
+                    if not c.running():
+                        raise ClusterError(self._died(c, "while starting"))
+                    if _health(health_pb2_grpc.HealthStub(channels[name])) == _SERVING:
+                        del pending[name]
+                        self.log(f"  {name} ready ({c.target})", flush=True)
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(pending)
+                    raise ClusterError(f"not ready within {self.config.ready_timeout:.0f} s: {names} "
+                                       f"(logs in {self.log_dir}); raise --ready-timeout on a slow machine")
+                if pending:
+                    time.sleep(_POLL_S)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _wait_routable(self, deadline: float) -> None:
+        """Until the router counts every replica routable (heartbeat seen, hash triple checked)."""
+        from kvroute.v1 import generation_pb2 as gen_pb
+        from kvroute.v1 import router_pb2 as router_pb
+        from kvroute.v1 import router_pb2_grpc as router_grpc
+
+        want = {c.name for c in self.replicas}
+        last = ""
+        with grpc.insecure_channel(self.router_target) as ch:
+            stub = router_grpc.RouterServiceStub(ch)
+            while True:
+                for c in self.children:
+                    if not c.running():
+                        raise ClusterError(self._died(c, "while starting"))
+                try:
+                    resp = stub.Score(router_pb.ScoreRequest(token_ids=gen_pb.TokenIds(ids=[0])), timeout=2.0)
+                    routable = {r.replica_id for r in resp.replicas if r.routable}
+                    last = "; ".join(f"{r.replica_id}: {r.reason or 'routable'}" for r in resp.replicas) or "none known"
+                    if want <= routable:
+                        return
+                except grpc.RpcError as e:
+                    last = f"{e.code().name}: {e.details()}"
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the router does not see every replica routable within "
+                                       f"{self.config.ready_timeout:.0f} s ({last}); logs in {self.log_dir}")
+                time.sleep(_POLL_S)
+
+    # -- run -------------------------------------------------------------------------------------
+    def first_death(self) -> Child | None:
+        """A child that has exited (None while all run)."""
+        return next((c for c in self.children if not c.running()), None)
+
+    def describe_death(self, child: Child) -> str:
+        return self._died(child, "unexpectedly")
+
+    def banner(self) -> str:
+        t = self.router_target
+        lines = [
+            f"kvroute up: {len(self.replicas)} replicas and a router are ready (logs in {self.log_dir})",
+            f"  {'router':<11} {t:<22} pid {self.router.pid if self.router else '-'}",
+        ]
+        for c in self.replicas:
+            lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}")
+        if self.redis is not None:
+            lines.append(f"  {'redis':<11} {self.redis_url:<22} pid {self.redis.pid} (embedded)")
+        else:
+            lines.append(f"  {'redis':<11} {self.redis_url}")
+        lines.append(f"  model       {self.model_dir}")
+        lines += [
+            "Try:",
+            f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",
+            f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\", \"sampling\": {{\"max_tokens\": 16}}}}' "
+            f"{t} kvroute.v1.GenerationService/GenerateStream",
+            f"  kvroute bench --target {t} --requests 200",
+        ]
+        return "\n".join(lines)
+
+    # -- stop ------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Router and replicas first (SIGTERM, wait, SIGKILL), then redis. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(ValueError):
+            atexit.unregister(self.stop)
+        _stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
+        if self.redis is not None:
+            _stop_all([self.redis], 5.0)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, turned into an exception in the main thread (like KeyboardInterrupt for SIGINT)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
+    """The command with ``{target}`` (the router's host:port) and ``{redis_url}`` filled in."""
+    return [a.replace("{target}", cluster.router_target).replace("{redis_url}", cluster.redis_url) for a in command]
+
+
+def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:
+    """``kvroute up``: start, print the banner, then wait for Ctrl-C / SIGTERM (exit 0) or a child's
+    death (exit 1); with ``command``, run it once ready (``{target}`` filled in), stop, and exit with
+    its status (130 when Ctrl-C / SIGTERM cut it short). Exit 1 when the cluster cannot start, with
+    the reason."""
+    out = out or sys.stdout
+
+    def log(*a: object, flush: bool = False) -> None:
+        print(*a, file=out, flush=flush)
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    cluster = LocalCluster(config, log=log)
+    cmd_proc: subprocess.Popen | None = None
+    rc = 0
+    started = False
+    t0 = time.monotonic()
+    try:
+        try:
+            cluster.start()
+        except ClusterError as e:
+            print(f"kvroute up: {e}", file=sys.stderr, flush=True)
+            return 1
+        started = True
+        log(cluster.banner(), flush=True)
+        log(f"kvroute up: ready in {time.monotonic() - t0:.1f} s"
+            + ("" if command else "; Ctrl-C (or SIGTERM) stops everything"), flush=True)
+        if command:
+            argv = substitute(command, cluster)
+            log(f"kvroute up: running {shlex.join(argv)}", flush=True)
+            cmd_proc = subprocess.Popen(argv, preexec_fn=_pdeathsig_preexec())
+        while True:
+            if cmd_proc is not None and cmd_proc.poll() is not None:
+                rc = cmd_proc.returncode
+                break
+            dead = cluster.first_death()
+            if dead is not None:
+                print(f"kvroute up: {cluster.describe_death(dead)}\nkvroute up: stopping the cluster",
+                      file=sys.stderr, flush=True)
+                rc = 1
+                break
+            time.sleep(0.5)
+    except (KeyboardInterrupt, _Terminated):
+        log("\nkvroute up: stopping ...", flush=True)
+        if cmd_proc is not None:
+            rc = 130  # the command was cut short
+    finally:
+        # One orderly stop (bounded by stop_timeout + a few seconds): a second Ctrl-C or SIGTERM
+        # must not cut it short and leave processes behind.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        t_stop = time.monotonic()
+        if cmd_proc is not None and cmd_proc.poll() is None:
+            cmd_proc.terminate()
+            try:
+                cmd_proc.wait(config.stop_timeout)
+            except subprocess.TimeoutExpired:
+                cmd_proc.kill()
+                cmd_proc.wait()
+        cluster.stop()
+        if started:
+            log(f"kvroute up: stopped {len(cluster.children)} processes in {time.monotonic() - t_stop:.1f} s",
+                flush=True)
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous)
+    return rc
+
+
+__all__ = ["Child", "ClusterConfig", "ClusterError", "LocalCluster", "substitute", "up_main"]

@@ -1,0 +1,110 @@
+"""``kvroute up / generate / bench``: argument errors exit 2 naming the flag; unreachable targets
+exit with one readable line; the CLI stays free of torch, replica and router at import time."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvroute.cli import main
+from kvroute.redis_server import free_port
+
+
+def _error_of(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--replicas", "0"], "--replicas: must be >= 1"),
+        (["up", "--router-port", "70000"], "--router-port: must be in 0..65535"),
+        (["up", "--base-port", "50040", "--replicas", "4", "--router-port", "50042"], "is one of the replicas' ports"),
+        (["up", "--num-blocks", "1"], "--num-blocks: must be >= 2"),
+        (["up", "--kv-cache-memory-mb", "0"], "--kv-cache-memory-mb: must be >= 1"),
+        (["up", "--namespace", "a:b"], "namespace"),
+        (["up", "--replica-args", "--model 'unclosed"], "quotation"),
+        (["up", "--replicas", "two"], "invalid int value"),
+        (["generate", "--target", "nope", "hi"], "--target: expected HOST:PORT"),
+        (["generate", "--target", "127.0.0.1:0", "hi"], "--target: expected HOST:PORT"),
+        (["generate", ""], "text: must not be empty"),
+        (["generate", "--max-tokens", "0", "hi"], "--max-tokens: must be >= 1"),
+        (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0"),
+        (["generate"], "the following arguments are required: text"),
+        (["bench", "--requests", "0"], "--requests: must be >= 1"),
+        (["bench", "--tokens-per-block", "0"], "--tokens-per-block: must be >= 1"),
+        (["bench", "--output-scale", "0"], "--output-scale: must be > 0"),
+        (["bench", "--max-output-tokens", "0"], "--max-output-tokens: must be >= 1"),
+        (["bench", "--time-scale", "-1"], "--time-scale: must be >= 0"),
+        (["bench", "--concurrency", "0"], "--concurrency: must be >= 1"),
+        (["bench", "--policies", "kvroute,kvroute"], "--policies: a policy is listed twice"),
+        (["bench", "--policies", "kvroute,"], "--policies: expected comma-separated policy names"),
+        (["bench", "--target", "host-without-port"], "--target: expected HOST:PORT"),
+        (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_argument_errors_exit_2_naming_the_flag(capsys, argv, message):
+    err = _error_of(capsys, argv)
+    assert message in err
+    assert f"usage: kvroute {argv[0]}" in err  # the subcommand's own usage line
+
+
+def test_generate_against_nothing_says_unavailable_and_suggests_kvroute_up(capsys):
+    target = f"127.0.0.1:{free_port()}"
+    assert main(["generate", "--target", target, "--timeout", "5", "hello"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute generate: UNAVAILABLE: cannot reach a router at " + target)
+    assert "kvroute up" in err and "Traceback" not in err
+
+
+def test_bench_against_nothing_exits_2_with_one_line(capsys):
+    target = f"127.0.0.1:{free_port()}"
+    assert main(["bench", "--target", target, "--requests", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "kvroute bench: UNAVAILABLE: cannot reach a router at " + target in err
+    assert err.count("\n") == 1
+
+
+def test_bench_with_a_missing_trace_names_the_flag(capsys, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert main(["bench", "--trace", str(missing), "--target", "127.0.0.1:1", "--no-progress"]) == 2
+    assert f"--trace: no such file {str(missing)!r}" in capsys.readouterr().err
+
+
+def test_bench_with_a_malformed_trace_names_the_line(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"oops": 1}\n')
+    assert main(["bench", "--trace", str(bad), "--target", "127.0.0.1:1", "--no-progress"]) == 2
+    assert f"{bad}:2: not a Mooncake trace line" in capsys.readouterr().err
+
+
+def test_up_refuses_a_taken_router_port_before_starting_anything(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["up", "--router-port", str(port), "--replicas", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"--router-port: port {port} on 127.0.0.1 is taken" in err
+
+
+def test_up_refuses_an_unreachable_redis_url(capsys):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["up", "--redis-url", url, "--replicas", "1", "--router-port", "0"]) == 1
+    assert f"--redis-url: cannot reach {url}" in capsys.readouterr().err
+
+
+def test_cli_modules_import_no_torch_replica_or_router():
+    code = (
+        "import sys, kvroute.cli, kvroute.cluster, kvroute.client, kvroute.bench\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'replica', 'router', 'matplotlib'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,118 @@
+"""``kvroute bench`` without a cluster: how trace lines become requests, and the table it prints."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvroute.bench import BenchConfig, BenchReport, PolicyResult, RequestResult, format_report, plan_requests
+from kvroute.client import describe_rpc_error
+from kvroute.cluster import ClusterConfig, LocalCluster, substitute
+from kvroute.trace import TraceRequest, TraceTokenizer
+
+
+def _req(ts: float, n: int, out: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(ts, n, out, ids)
+
+
+def test_plan_maps_equal_hash_ids_to_equal_prefixes_and_scales_output_and_time():
+    trace = [_req(1000.0, 1024, 350, (1, 2)), _req(3000.0, 1536, 10, (1, 2, 3)), _req(4000.0, 512, 2000, (7,))]
+    tok = TraceTokenizer(16, vocab_size=500)
+    planned, truncated = plan_requests(trace, tok, output_scale=0.02, max_output_tokens=30, time_scale=0.5)
+    assert truncated == 0
+    assert [len(p.token_ids) for p in planned] == [32, 48, 16]
+    assert planned[1].token_ids[:32] == planned[0].token_ids  # same ids, same tokens
+    assert planned[2].token_ids[:16] != planned[0].token_ids[:16]
+    # max(1, round(output_length * scale)) capped: 350 * .02 = 7; 10 * .02 -> 0 -> 1; 2000 * .02 = 40 -> 30
+    assert [p.max_tokens for p in planned] == [7, 1, 30]
+    assert [p.arrival_s for p in planned] == [0.0, 1.0, 1.5]  # (timestamp - first) * time_scale, seconds
+    assert all(0 <= t < 500 for p in planned for t in p.token_ids)
+
+
+def test_plan_without_a_time_scale_releases_everything_at_once():
+    trace = [_req(0.0, 512, 100, (1,)), _req(9000.0, 512, 100, (2,))]
+    planned, _ = plan_requests(trace, TraceTokenizer(16), output_scale=1.0, max_output_tokens=5, time_scale=None)
+    assert [p.arrival_s for p in planned] == [0.0, 0.0]
+    assert [p.max_tokens for p in planned] == [5, 5]
+
+
+def test_plan_cuts_prompts_to_max_model_len_and_keeps_room_for_output():
+    trace = [_req(0.0, 512 * 8, 500, tuple(range(8))), _req(0.0, 512 * 2, 500, (1, 2))]
+    planned, truncated = plan_requests(trace, TraceTokenizer(16), output_scale=1.0, max_output_tokens=100,
+                                       time_scale=None, max_model_len=64)
+    assert truncated == 1
+    assert (len(planned[0].token_ids), planned[0].max_tokens) == (63, 1)
+    assert (len(planned[1].token_ids), planned[1].max_tokens) == (32, 32)
+
+
+def _policy(name: str, replicas: list[str], hits: int, ttft: float) -> PolicyResult:
+    results = [RequestResult(i, ttft_s=ttft, tpot_s=0.01, latency_s=ttft + 0.05, replica_id=replicas[i % len(replicas)],
+                             prompt_tokens=100, completion_tokens=6, cached_tokens=hits // 4) for i in range(4)]
+    results.append(RequestResult(4, error="UNAVAILABLE: gone"))
+    return PolicyResult(name, f"salt:{name}", 1.0, results, prefix_cache_queries=400, prefix_cache_hits=hits,
+                        preemptions=0)
+
+
+def test_report_is_one_table_with_a_row_per_policy_and_the_bounds():
+    ids = ["replica-0", "replica-1"]
+    report = BenchReport(
+        config=BenchConfig(target="127.0.0.1:1"), model="m", block_size=16,
+        replicas={i: f"127.0.0.1:{n}" for n, i in enumerate(ids, 1)},
+        bounds={"prompt_tokens": 1, "ideal": 0.25, "round_robin": 0.1}, num_requests=5, prompt_tokens=500,
+        truncated=0, policies=[_policy("kvroute", ids, 96, 0.040), _policy("round_robin", ids, 40, 0.080)],
+    )
+    text = format_report(report)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["policy", "requests", "errors", "hit"]
+    kv = next(ln for ln in lines if ln.startswith("kvroute "))
+    assert kv.split()[:6] == ["kvroute", "5", "1", "0.240", "96%", "40"]
+    assert kv.rstrip().endswith("50/50")
+    assert "ideal 0.250, round robin over 2 0.100" in text
+    assert "kvroute vs round_robin: hit rate 2.40x, TTFT p50 0.50x" in text
+    assert "error (kvroute): UNAVAILABLE: gone" in text
+    summary = report.to_json()["policies"][0]
+    assert summary["hit_rate_source"] == "replica counters" and summary["errors"] == 1
+
+
+def test_hit_rate_falls_back_to_response_usage_without_replica_counters():
+    p = _policy("kvroute", ["r"], 96, 0.01)
+    p.prefix_cache_queries = p.prefix_cache_hits = None
+    assert p.hit_rate_source == "response usage"
+    assert p.hit_rate == sum(r.cached_tokens for r in p.ok) / 400
+
+
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_rpc_errors_read_as_one_actionable_line():
+    t = "h:1"
+    assert "has no replica to send the request to" in describe_rpc_error(
+        _FakeRpcError(grpc.StatusCode.UNAVAILABLE, "no replica is known (none discovered or heartbeating)"), t)
+    assert "cannot reach a router at h:1" in describe_rpc_error(
+        _FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), t)
+    assert describe_rpc_error(_FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: too many"), t) == (
+        "INVALID_ARGUMENT: the request was refused: max_tokens: too many")
+    assert "overloaded" in describe_rpc_error(_FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"), t)
+
+
+def test_up_fills_in_the_router_target_in_the_command():
+    cluster = LocalCluster(ClusterConfig())
+    try:
+        cluster.redis_url = "redis://127.0.0.1:7/0"
+
+        class _Router:
+            target = "127.0.0.1:5"
+
+        cluster.router = _Router()  # type: ignore[assignment]
+        assert substitute(["bench", "--target", "{target}", "--x={redis_url}"], cluster) == [
+            "bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0"]
+    finally:
+        cluster.router = None
+        cluster.stop()

@@ -1,0 +1,186 @@
+"""End to end: ``kvroute up`` (2 replicas, small KV, free ports) in a subprocess, ``kvroute generate``
+streams back, ``kvroute bench --requests 30`` prints the table, SIGTERM stops every process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KVROUTE = [sys.executable, "-m", "kvroute"]
+
+
+class _Lines:
+    """The lines a process prints, read on a thread so that waiting for one can time out."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.lines:
+                if m := re.search(pattern, line):
+                    return m
+            try:
+                line = self._q.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout}s:\n{''.join(self.lines)}") from None
+            if line is None:
+                raise AssertionError(f"output ended before {pattern!r}:\n{''.join(self.lines)}")
+            self.lines.append(line)
+
+    def rest(self, timeout: float = 5.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+        return "".join(self.lines)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie nobody reaped yet counts as gone too
+        return f.read().split(") ", 1)[1].startswith("Z")
+
+
+def _in_groups(pgids: set[int]) -> list[str]:
+    """Processes whose process group is one of ``pgids`` (each child of `up` leads its own group, so
+    this also finds what a child spawned, such as a replica's engine process)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            found.append(pid)
+    return found
+
+
+def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_model_dir):
+    t0 = time.monotonic()
+    up = subprocess.Popen(
+        [*KVROUTE, "up", "--replicas", "2", "--router-port", "0", "--num-blocks", "1024", "--model",
+         str(default_model_dir), "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = _Lines(up)
+    pids: list[int] = []
+    try:
+        out.wait_for(r"kvroute up: ready in", timeout=150)
+        banner = "".join(out.lines)
+        target = re.search(r"^  router\s+(\S+)\s+pid (\d+)", banner, re.M).group(1)
+        pids = [int(p) for p in re.findall(r"\bpid (\d+)", banner)]
+        assert len(pids) == 4, banner  # router, 2 replicas, redis
+        assert f"kvroute generate --target {target}" in banner and "grpcurl -plaintext" in banner
+
+        gen = subprocess.run([*KVROUTE, "generate", "--target", target, "--max-tokens", "8", "--temperature", "0",
+                              "The harbour town"], capture_output=True, text=True, timeout=60)
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip()
+        summary = gen.stderr.strip().splitlines()[-1]
+        assert re.search(r"finish length \| tokens: prompt \d+, completion 8, cached \d+ \| replica-[01] ", summary), summary
+        assert "policy kvroute" in summary
+
+        bench = subprocess.run(
+            [*KVROUTE, "bench", "--target", target, "--requests", "30", "--concurrency", "4", "--out",
+             str(tmp_path / "bench")],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        table = bench.stdout
+        assert re.search(r"^policy\s+requests\s+errors\s+hit rate", table, re.M), table
+        for policy in ("kvroute", "round_robin"):
+            assert re.search(rf"^{policy}\s+30\s+0\s+0\.\d{{3}}", table, re.M), table
+        assert "bounds from the hash ids alone (30 requests, infinite caches): ideal" in table
+        assert "30/30" in bench.stderr  # the progress bar ran to the end
+        report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+        assert [p["policy"] for p in report["policies"]] == ["kvroute", "round_robin"]
+        assert all(p["hit_rate_source"] == "replica counters" for p in report["policies"])
+        assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+
+        t_stop = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=20) == 0
+        stop_s = time.monotonic() - t_stop
+        assert "stopped 4 processes" in out.rest()
+        assert stop_s < 15, f"stopping took {stop_s:.1f}s"
+        deadline = time.monotonic() + 5
+        while (not all(_gone(p) for p in pids) or _in_groups(set(pids))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids if not _gone(p)] == []
+        assert _in_groups(set(pids)) == []
+        print(f"e2e: {time.monotonic() - t0:.1f}s in all, stop {stop_s:.1f}s")
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for p in pids:  # never leave a cluster behind, even when an assertion failed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p, signal.SIGKILL)
+
+
+def test_up_stops_what_it_started_when_a_replica_cannot_start(tmp_path):
+    missing = tmp_path / "no-such-model"
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--model", str(missing), "--log-dir", str(logs),
+         "--ready-timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert re.search(r"kvroute up: (replica-0|router) exited with status 1 while starting; last lines of ", proc.stderr), \
+        proc.stderr
+    # nothing of this cluster is left: no process mentions its model path or its redis folder
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(missing) in cmd or str(logs) in cmd:
+            leftovers.append(cmd)
+    assert leftovers == []
+
+
+def test_up_runs_a_command_against_the_ready_cluster_and_exits_with_its_status(tmp_path, default_model_dir):
+    check = ("import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as hg; "
+             "s = hg.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service='readiness'), "
+             "timeout=5).status; sys.exit(7 if s == h.HealthCheckResponse.SERVING else 1)")
+    proc = subprocess.run(
+        [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--num-blocks", "256", "--model",
+         str(default_model_dir), "--log-dir", str(tmp_path), "--", sys.executable, "-c", check, "{target}"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 7, proc.stdout + proc.stderr  # the command saw the router serving
+    assert re.search(r"kvroute up: running \S+ -c .* 127\.0\.0\.1:\d+$", proc.stdout, re.M), proc.stdout
+    assert "kvroute up: stopped 3 processes" in proc.stdout
