@@ -24,7 +24,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -35,8 +34,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvroute.process import run_until_signal
 from kvroute.redis_layout import RedisLayout
-from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
@@ -348,36 +348,9 @@ class BackgroundReplica:
 
 async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
     """Run a replica until SIGTERM / SIGINT, then stop it gracefully."""
-    own_telemetry = telemetry is None
-    if telemetry is None:
-        telemetry = setup_telemetry(
-            "kvroute-replica", settings.metrics_port if settings.metrics_port >= 0 else None, set_global=True,
-        )
-        if telemetry.metrics_port is not None:
-            log.info("metrics on :%d/metrics", telemetry.metrics_port)
-    server = ReplicaServer(settings, telemetry=telemetry)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        starting = asyncio.create_task(server.start())
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            starting.result()  # a failed start raises here
-            await stopping
-        else:
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-        log.info("replica %s: stopping", server.replica_id)
-        await server.stop()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        if own_telemetry:
-            telemetry.shutdown()
+    await run_until_signal(
+        lambda t: ReplicaServer(settings, telemetry=t), "kvroute-replica", settings.metrics_port, telemetry
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

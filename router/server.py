@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -30,8 +29,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
+from kvroute.process import run_until_signal
 from kvroute.redis_layout import RedisLayout
-from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
 from router.consumer import EventConsumer
 from router.core import Router
@@ -278,32 +278,9 @@ class BackgroundRouter:
 
 async def serve(settings: RouterSettings, *, telemetry: Telemetry | None = None) -> None:
     """Run a router until SIGTERM / SIGINT, then stop it gracefully."""
-    own_telemetry = telemetry is None
-    if telemetry is None:
-        telemetry = setup_telemetry(
-            "kvroute-router", settings.metrics_port if settings.metrics_port >= 0 else None, set_global=True,
-        )
-        if telemetry.metrics_port is not None:
-            log.info("metrics on :%d/metrics", telemetry.metrics_port)
-    server = RouterServer(settings, telemetry=telemetry)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        try:
-            await server.start()
-        except BaseException:
-            await server.stop(grace=0)
-            raise
-        await stop.wait()
-        log.info("router %s: stopping", server.router_id)
-        await server.stop()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        if own_telemetry:
-            telemetry.shutdown()
+    await run_until_signal(
+        lambda t: RouterServer(settings, telemetry=t), "kvroute-router", settings.metrics_port, telemetry
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

@@ -1,0 +1,66 @@
+"""Running a kvroute server process until SIGTERM / SIGINT (shared by replica and router mains)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+from kvroute.telemetry import Telemetry, setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Server(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float = ...) -> None: ...
+
+
+async def run_until_signal(
+    make_server: Callable[[Telemetry], Server],
+    service_name: str,
+    metrics_port: int,
+    telemetry: Telemetry | None = None,
+) -> None:
+    """Start ``make_server(telemetry)``, wait for SIGTERM / SIGINT (also while still starting),
+    then stop it gracefully. A failed start stops the server at once and re-raises.
+
+    ``metrics_port`` < 0 means no Prometheus endpoint; the telemetry is set up (and shut down)
+    here unless the caller passes its own.
+    """
+    own_telemetry = telemetry is None
+    if telemetry is None:
+        telemetry = setup_telemetry(service_name, metrics_port if metrics_port >= 0 else None, set_global=True)
+        if telemetry.metrics_port is not None:
+            log.info("%s: metrics on :%d/metrics", service_name, telemetry.metrics_port)
+    server = make_server(telemetry)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.create_task(server.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            try:
+                starting.result()
+            except BaseException:
+                await server.stop(grace=0)
+                raise
+            await stopping
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        log.info("%s: stopping", service_name)
+        await server.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if own_telemetry:
+            telemetry.shutdown()
