@@ -467,6 +467,9 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
         print(*a, file=out, flush=flush)
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # A job started in the background by a script inherits SIGINT ignored, and Python then installs
+    # no Ctrl-C handler: take SIGINT explicitly so `kill -INT` stops the cluster there too.
+    previous_int_handler = signal.signal(signal.SIGINT, _raise_terminated)
     cluster = LocalCluster(config, log=log)
     cmd_proc: subprocess.Popen | None = None
     rc = 0
@@ -504,7 +507,7 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
     finally:
         # One orderly stop (bounded by stop_timeout + a few seconds): a second Ctrl-C or SIGTERM
         # must not cut it short and leave processes behind.
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         t_stop = time.monotonic()
         if cmd_proc is not None and cmd_proc.poll() is None:
@@ -518,7 +521,7 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
         if started:
             log(f"kvroute up: stopped {len(cluster.children)} processes in {time.monotonic() - t_stop:.1f} s",
                 flush=True)
-        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGINT, previous_int_handler)
         signal.signal(signal.SIGTERM, previous)
     return rc
 

@@ -70,8 +70,10 @@ class Candidate:
 
     def cached_tokens(self, req: RequestShape) -> int:
         """Tokens of this request the replica is predicted to serve from its prefix cache (GPU+CPU).
-        The engine always recomputes the last prompt token, hence the cap."""
-        return min((self.match.gpu + self.match.cpu) * req.block_size, max(req.prompt_tokens - 1, 0))
+        The engine looks up at most ``(prompt_tokens - 1) // block_size`` blocks (its last prompt
+        token is always recomputed), hence the cap."""
+        max_blocks = max(req.prompt_tokens - 1, 0) // req.block_size
+        return min(self.match.gpu + self.match.cpu, max_blocks) * req.block_size
 
 
 Scorer = Callable[[Candidate, RequestShape, ScoringWeights], float]
