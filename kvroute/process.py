@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvroute.telemetry import Telemetry, setup_telemetry
 
@@ -64,3 +65,49 @@ async def run_until_signal(
             loop.remove_signal_handler(sig)
         if own_telemetry:
             telemetry.shutdown()
+
+
+class BackgroundServer:
+    """A server on its own event-loop thread, for synchronous callers (tests, benchmarks, an
+    in-process cluster). Subclasses build ``self.server`` in ``__init__`` through :meth:`_start`.
+    ``run(coro)`` runs a coroutine on that loop; ``close()`` stops server and loop (idempotent).
+    """
+
+    server: Any
+
+    def _start(self, make_server: Callable[[], Any], name: str, start: Callable[[Any], None]) -> None:
+        """Start the loop thread, build the server on it and call ``start(server)``; on any error
+        clean up and re-raise."""
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+        self.server = make_server()
+        try:
+            start(self.server)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, grace: float = 1.0) -> None:
+        """Stop the server (gracefully) and its loop thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self.run(self.server.stop(grace), grace + 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvroute.process import run_until_signal
+from kvroute.process import BackgroundServer, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -301,7 +301,7 @@ class ReplicaServer:
         await self._stopped.wait()
 
 
-class BackgroundReplica:
+class BackgroundReplica(BackgroundServer):
     """A :class:`ReplicaServer` on its own event-loop thread, for synchronous callers (tests,
     benchmarks, an in-process cluster): ``with BackgroundReplica(settings) as r: dial(r.target)``.
 
@@ -309,41 +309,10 @@ class BackgroundReplica:
     """
 
     def __init__(self, settings: ReplicaSettings, *, telemetry: Telemetry | None = None, timeout: float = 120.0):
-        import threading
-
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="replica-server-loop", daemon=True)
-        self._thread.start()
-        self.server = ReplicaServer(settings, telemetry=telemetry)
-        try:
-            self.run(self.server.start(), timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def target(self) -> str:
-        return self.server.target
-
-    def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
-        """Run a coroutine on the server's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self, grace: float = 1.0) -> None:
-        """Stop the server (graceful, see ``ReplicaServer.stop``) and its loop thread. Idempotent."""
-        if self.loop.is_closed():
-            return
-        with contextlib.suppress(Exception):
-            self.run(self.server.stop(grace), grace + 10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-    def __enter__(self) -> BackgroundReplica:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._start(
+            lambda: ReplicaServer(settings, telemetry=telemetry), "replica-server",
+            lambda server: self.run(server.start(), timeout),
+        )
 
 
 async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
-from kvroute.process import run_until_signal
+from kvroute.process import BackgroundServer, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -228,7 +228,7 @@ class RouterServer:
         await self._stopped.wait()
 
 
-class BackgroundRouter:
+class BackgroundRouter(BackgroundServer):
     """A :class:`RouterServer` on its own event-loop thread, for synchronous callers (tests,
     benchmarks): ``with BackgroundRouter(settings) as r: dial(r.target)``. Waits for readiness
     (``ready_timeout`` seconds; None = don't wait).
@@ -239,41 +239,12 @@ class BackgroundRouter:
 
     def __init__(self, settings: RouterSettings, *, telemetry: Telemetry | None = None,
                  ready_timeout: float | None = 30.0):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="router-server-loop", daemon=True)
-        self._thread.start()
-        self.server = RouterServer(settings, telemetry=telemetry)
-        try:
-            self.run(self.server.start(), 60.0)
-            if ready_timeout is not None and not self.run(self.server.wait_ready(ready_timeout), ready_timeout + 5):
+        def start(server: RouterServer) -> None:
+            self.run(server.start(), 60.0)
+            if ready_timeout is not None and not self.run(server.wait_ready(ready_timeout), ready_timeout + 5):
                 raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {settings.redis_url} up?)")
-        except BaseException:
-            self.close()
-            raise
 
-    @property
-    def target(self) -> str:
-        return self.server.target
-
-    def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
-        """Run a coroutine on the server's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self, grace: float = 1.0) -> None:
-        """Stop the server and its loop thread. Idempotent."""
-        if self.loop.is_closed():
-            return
-        with contextlib.suppress(Exception):
-            self.run(self.server.stop(grace), grace + 10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-    def __enter__(self) -> BackgroundRouter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._start(lambda: RouterServer(settings, telemetry=telemetry), "router-server", start)
 
 
 async def serve(settings: RouterSettings, *, telemetry: Telemetry | None = None) -> None:
