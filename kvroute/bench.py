@@ -339,9 +339,13 @@ class _Progress:
             from tqdm import tqdm
 
             width = max(map(len, policies))
+            # Stacked bars move the cursor; into a log file (not a terminal) each bar just prints a
+            # line now and then instead.
+            tty = sys.stderr.isatty()
             self.bars = {
-                name: tqdm(total=total, desc=f"{name:<{width}}", unit="req", file=sys.stderr, position=k,
-                           dynamic_ncols=True, mininterval=0.5, leave=True)
+                name: tqdm(total=total, desc=f"{name:<{width}}", unit="req", file=sys.stderr,
+                           position=k if tty else None, dynamic_ncols=tty, mininterval=0.5 if tty else 15.0,
+                           leave=True)
                 for k, name in enumerate(policies)
             }
 
