@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context
 from kvroute.tokenizer import ChatTemplateError
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -511,21 +512,7 @@ class ReplicaFrontend:
 
     async def unary(self, *args: Any, **kwargs: Any) -> gen_pb.GenerateResponse:
         """``stream`` concatenated into one response (all token ids, the full text, final fields)."""
-        ids: list[int] = []
-        texts: list[str] = []
-        last = None
-        async with contextlib.aclosing(self.stream(*args, **kwargs)) as deltas:
-            async for d in deltas:
-                ids.extend(d.token_ids)
-                texts.append(d.text)
-                last = d
-        resp = gen_pb.GenerateResponse()
-        if last is not None:
-            resp.CopyFrom(last)
-        del resp.token_ids[:]
-        resp.token_ids.extend(ids)
-        resp.text = "".join(texts)
-        return resp
+        return await concat_deltas(self.stream(*args, **kwargs))
 
     def abort(self, request_id: str) -> bool:
         """Abort an in-flight request (its stream ends with FINISH_REASON_ABORT); idempotent."""

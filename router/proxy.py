@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -365,21 +366,7 @@ class Proxy:
     async def unary(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext, *, method: str
                     ) -> gen_pb.GenerateResponse:
         """``stream`` concatenated into one response (all token ids, the full text, final fields)."""
-        ids: list[int] = []
-        texts: list[str] = []
-        last = None
-        async with contextlib.aclosing(self.stream(request, context, method=method)) as deltas:
-            async for d in deltas:
-                ids.extend(d.token_ids)
-                texts.append(d.text)
-                last = d
-        resp = gen_pb.GenerateResponse()
-        if last is not None:
-            resp.CopyFrom(last)
-        del resp.token_ids[:]
-        resp.token_ids.extend(ids)
-        resp.text = "".join(texts)
-        return resp
+        return await concat_deltas(self.stream(request, context, method=method))
 
     async def model_info(self) -> gen_pb.ModelInfo:
         """A routable replica's ModelInfo, else what the router knows from the model folder."""

@@ -24,6 +24,30 @@ log = logging.getLogger(__name__)
 StepHook = Callable[[LLMEngine], None]
 
 
+async def drain_outputs(
+    q: asyncio.Queue, request_id: str, streams: dict, abort: Callable[[str], None]
+) -> AsyncIterator[RequestOutput]:
+    """Yield one request's outputs from its queue until the final one; an exception put on the
+    queue is raised. On exit the request leaves ``streams``, and when the consumer stopped early
+    (client cancel, deadline) ``abort(request_id)`` frees its blocks. Shared by the thread and
+    the process engine."""
+    finished = False
+    try:
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        streams.pop(request_id, None)
+        if not finished:
+            abort(request_id)
+
+
 class EngineDeadError(RuntimeError):
     """The step loop crashed; every open stream ends with this error."""
 
@@ -83,21 +107,8 @@ class AsyncLLMEngine:
         self._streams[rid] = (loop, q)
         self._inbox.put(("add", request))
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+        async for item in drain_outputs(q, rid, self._streams, self.abort):
+            yield item
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request (idempotent, non-blocking)."""

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.tokenizer import Tokenizer
-from replica.engine.async_engine import EngineDeadError
+from replica.engine.async_engine import EngineDeadError, drain_outputs
 from replica.engine.engine import LLMEngine, RequestOutput
 from replica.engine.errors import InvalidRequestError
 from replica.engine.params import SamplingParams
@@ -304,21 +304,8 @@ class ProcessLLMEngine:
             self._streams.pop(rid, None)
             raise self._dead_error()
         self._ops.put(("add", request))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+        async for item in drain_outputs(q, rid, self._streams, self.abort):
+            yield item
 
     def abort(self, request_id: str) -> None:
         """Ask the engine process to abort a request (idempotent, non-blocking)."""

@@ -1,0 +1,28 @@
+"""Helpers over GenerateResponse streams, shared by the replica service and the router proxy."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from kvroute.v1 import generation_pb2 as gen_pb
+
+
+async def concat_deltas(deltas: AsyncIterator[gen_pb.GenerateResponse]) -> gen_pb.GenerateResponse:
+    """A stream of deltas as one unary response: all token ids, the full text, and the final
+    message's fields (finish reason, matched stop, usage, routing). The stream is closed after."""
+    ids: list[int] = []
+    texts: list[str] = []
+    last = None
+    async with contextlib.aclosing(deltas) as stream:
+        async for d in stream:
+            ids.extend(d.token_ids)
+            texts.append(d.text)
+            last = d
+    resp = gen_pb.GenerateResponse()
+    if last is not None:
+        resp.CopyFrom(last)
+    del resp.token_ids[:]
+    resp.token_ids.extend(ids)
+    resp.text = "".join(texts)
+    return resp
