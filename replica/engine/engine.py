@@ -126,7 +126,10 @@ class LLMEngine:
             self.hasher,
             enable_caching=config.enable_prefix_caching,
             max_model_len=max_model_len,
-            vocab_size=self.vocab_size,
+            # No vocab_size: make_request already validated every prompt id (InvalidRequestError
+            # naming the field) and the sampler only produces ids < vocab, so checking again on
+            # every admission and decode step would be the same O(n) work twice.
+            vocab_size=None,
             free_order=config.free_order,
             cpu_num_blocks=config.cpu_offload_blocks,
             copy_fn=self.runner.copy_block if config.cpu_offload_blocks else None,
