@@ -79,7 +79,6 @@ class FakeKubeAPI:
                     return
                 selector = q.get("labelSelector", "")
                 if q.get("watch") == "true":
-                    api.requests.append(f"watch {q.get('resourceVersion')}")
                     api.serve_watch(self, selector, int(q.get("resourceVersion", "0")),
                                     float(q.get("timeoutSeconds", "30")))
                 else:
@@ -170,6 +169,9 @@ class FakeKubeAPI:
         with self.cond:
             gone = since < self.compacted
             generation = self.generation
+            # Recorded only once the watch is open (its generation taken), so a test that waits for
+            # the request and then drops watches really ends this one.
+            self.requests.append(f"watch {since}")
         try:
             if gone:
                 chunk({"type": "ERROR", "object": {
