@@ -64,14 +64,26 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes((m | 27,)) + n.to_bytes(8, "big")
 
 
-# Per size class c (0: n < 24, 1: < 2**8, 2: < 2**16, 3: < 2**32): the CBOR length of an unsigned
-# int, and its head byte shifted to sit right before the value's significant bytes in a big-endian
-# uint64, so that the int's CBOR encoding is exactly the last SIZE[c] bytes of that 8-byte row.
+# CBOR size classes of an unsigned int (RFC 8949 §3, shortest form): 0: n < 24 (1 byte),
+# 1: < 2**8 (2), 2: < 2**16 (3), 3: < 2**32 (5).
 _CLASS_SIZE = np.array([1, 2, 3, 5], dtype=np.int8)
-_CLASS_HEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
-# The last SIZE[c] bytes of a row, as a bit pattern for np.unpackbits (MSB = first byte).
-_CLASS_SUFFIX_BITS = np.array([(1 << int(s)) - 1 for s in _CLASS_SIZE], dtype=np.uint8)
+_CLASS_HEAD_BYTE = (0, 0x18, 0x19, 0x1A)
 _NULL = b"\xf6"  # CBOR null: the extra of a block without extra keys
+
+
+def _row_kind(width: int, native: type) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """Tables for rows of ``width`` bytes: (big-endian row dtype, per class the head shifted to sit
+    right before the value's significant bytes, per suffix length s the ``width``-byte pattern of
+    ``width - s`` zero bytes then s one bytes, as one native int whose bytes ``.view(bool)`` reads)."""
+    classes = 3 if width == 4 else 4  # a 4-byte row holds ints below 2**16; 5-byte ints need 8
+    heads = np.array([_CLASS_HEAD_BYTE[c] << 8 * int(_CLASS_SIZE[c] - 1) for c in range(classes)], dtype=native)
+    keeps = np.array(
+        [np.frombuffer(bytes(width - s) + b"\x01" * s, dtype=native)[0] for s in range(width + 1)], dtype=native
+    )
+    return np.dtype(f">u{width}"), heads, keeps
+
+
+_ROWS = {4: _row_kind(4, np.uint32), 8: _row_kind(8, np.uint64)}
 
 
 def _as_uint_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -100,12 +112,15 @@ def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tup
     """CBOR-encode the full blocks of a prompt, each as ``array-head | tokens | null``.
 
     Block ``i``'s hash input is then ``0x83 | bytes-head | parent | buf[bounds[i]:bounds[i+1]]``,
-    byte-identical to ``cbor2.dumps((parent, tuple(block), None), canonical=True)``. Every token below
-    2**32 becomes a big-endian uint64 row ``value | head << 8 * (size - 1)`` whose last ``size``
-    bytes are its CBOR encoding (RFC 8949 §3, shortest form); the array head and the null are rows
-    too, and one boolean compaction concatenates all suffixes. Ids of 2**32 and above (never a real
-    vocabulary) take ``cbor2``. Measured with 8k tokens: ~0.1 ms against ~0.25 ms for ``cbor2.dumps``
-    of the same ints (bench/kv_manager.py).
+    byte-identical to ``cbor2.dumps((parent, tuple(block), None), canonical=True)``. Every token
+    becomes a big-endian row of 4 bytes (all ids below 2**16) or 8 (ids below 2**32),
+    ``value | head << 8 * (size - 1)``, whose last ``size`` bytes are its CBOR encoding (RFC 8949
+    §3, shortest form); the array head and the null are rows too, and one boolean compaction
+    (``np.compress``; its mask is a table lookup of ``width``-byte patterns viewed as bools)
+    concatenates all suffixes. Ids of 2**32 and above (never a real vocabulary) take ``cbor2``.
+    Measured with 8k tokens below 2**16, one core: ~0.1 ms from a numpy array, ~0.15 ms from a
+    list, against ~0.25 ms with 8-byte rows and an ``unpackbits`` mask (bench/router.py's hash
+    column).
 
     Args:
         token_ids: ints in [0, 2**64); a trailing partial block is ignored.
@@ -118,34 +133,37 @@ def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tup
         ValueError: a token id is negative or not an integer.
     """
     num_blocks = len(token_ids) // block_size
-    n = _as_uint_array(token_ids[: num_blocks * block_size])
-    array_head = _cbor_head(4, block_size)
     if num_blocks == 0:
         return b"", [0]
-    if int(n.max()) >= 0x100000000:
+    n = _as_uint_array(token_ids[: num_blocks * block_size])
+    array_head = _cbor_head(4, block_size)
+    top = int(n.max())
+    if top >= 0x100000000 or len(array_head) > 8:
         blocks = [
             array_head + b"".join(cbor2.dumps(int(t)) for t in blk) + _NULL
             for blk in n.reshape(num_blocks, block_size).tolist()
         ]
         return b"".join(blocks), [0, *np.cumsum([len(b) for b in blocks]).tolist()]
-    n = n.astype(np.uint64, copy=False)
-    cls = (n >= 24).astype(np.int8)
-    cls += n >= 0x100
-    cls += n >= 0x10000
-    rows = np.empty((num_blocks, block_size + 2), dtype=np.uint64)
+    width = 4 if top < 0x10000 and len(array_head) <= 4 else 8
+    row_dtype, heads, keeps = _ROWS[width]
+    n = n.astype(heads.dtype, copy=False)
+    cls = (n >= 24).view(np.int8) + (n >= 0x100).view(np.int8)
+    if width == 8:
+        cls += (n >= 0x10000).view(np.int8)
+    rows = np.empty((num_blocks, block_size + 2), dtype=row_dtype)
     rows[:, 0] = int.from_bytes(array_head, "big")
-    rows[:, 1:-1] = (n | _CLASS_HEAD.take(cls)).reshape(num_blocks, block_size)
+    rows[:, 1:-1] = (n | heads.take(cls)).reshape(num_blocks, block_size)
     rows[:, -1] = _NULL[0]
-    bits = np.empty((num_blocks, block_size + 2), dtype=np.uint8)
-    bits[:, 0] = (1 << len(array_head)) - 1
-    bits[:, 1:-1] = _CLASS_SUFFIX_BITS.take(cls).reshape(num_blocks, block_size)
-    bits[:, -1] = 1
-    keep = np.unpackbits(bits.ravel()).view(bool)
-    # np.compress is ~4x faster than boolean indexing on this irregular mask (measured).
-    buf = np.compress(keep, rows.astype(">u8").view(np.uint8)).tobytes()
-    block_bytes = _CLASS_SIZE.take(cls).reshape(num_blocks, block_size).sum(axis=1, dtype=np.int64)
-    block_bytes += len(array_head) + 1
-    return buf, [0, *np.cumsum(block_bytes).tolist()]
+    token_sizes = _CLASS_SIZE.take(cls)
+    sizes = np.empty((num_blocks, block_size + 2), dtype=np.int8)
+    sizes[:, 0] = len(array_head)
+    sizes[:, 1:-1] = token_sizes.reshape(num_blocks, block_size)
+    sizes[:, -1] = 1
+    keep = keeps.take(sizes).view(bool).ravel()
+    buf = np.compress(keep, rows.view(np.uint8)).tobytes()
+    ends = np.cumsum(token_sizes, dtype=np.int64)[block_size - 1 :: block_size]
+    ends += np.arange(1, num_blocks + 1, dtype=np.int64) * (len(array_head) + 1)
+    return buf, [0, *ends.tolist()]
 
 
 @dataclass(frozen=True)
@@ -281,5 +299,10 @@ class BlockHasher:
         return out
 
     def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
-        """The 64-bit keys of the full blocks of a prompt, as the router indexes them."""
-        return [to_event_int(d) for d in self.hash_blocks(token_ids, keys)]
+        """The 64-bit keys of the full blocks of a prompt, as the router indexes them
+        (``to_event_int`` of each digest, read in one numpy pass: ~5x faster than a loop)."""
+        digests = self.hash_blocks(token_ids, keys)
+        if not digests:
+            return []
+        words = len(digests[0]) // 8
+        return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()

@@ -79,9 +79,10 @@ class Router:
         with self.index_lock:
             matches = self.index.lookup(hashes, replicas)
         t2 = time.perf_counter()
+        totals = self.load.totals_of(replicas)
         cands = []
         for rid, info in replicas.items():
-            in_flight, pending = self.load.totals(rid)
+            in_flight, pending = totals[rid]
             cands.append(
                 Candidate(
                     replica_id=rid,

@@ -16,9 +16,12 @@ events arrive. They count as GPU matches in lookups and are reported separately.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, islice, repeat
+from operator import and_, neg, or_
 
 from kvroute.events import CPU, GPU, MEDIA
 
@@ -190,6 +193,12 @@ class BlockIndex:
         """Per replica, the leading run of ``hashes`` it holds (GPU or speculative), then the run
         after that on its CPU tier (mirrors the engine's get_computed_blocks).
 
+        The walk runs at C speed: ``map(dict.get)`` fetches every block's mask, and
+        ``itertools.accumulate(and_)`` turns them into ``run[i]``, the replicas holding blocks
+        ``0 .. i-1``. ``run`` only loses bits, so as ints it is non-increasing, and each replica's
+        run length is found by bisection (:func:`_run_ends`) instead of a Python loop per block:
+        ~0.06 ms for 512 blocks and 64 replicas against ~0.35 ms for the loop (bench/router.py).
+
         Args:
             hashes: the request's block hash chain (event ints), block 0 first.
             replicas: the candidates (default: every indexed replica). Unknown ones match 0.
@@ -203,44 +212,32 @@ class BlockIndex:
         bits = {self._bits[r]: r for r in names if r in self._bits}
         if not bits or not hashes:
             return out
-        gpu, spec, cpu = self._masks[GPU], self._spec_mask, self._masks[CPU]
         alive = 0
         for b in bits:
             alive |= b
-        real = alive  # replicas whose GPU run so far is all real (not speculative)
         n = len(hashes)
-        gpu_end: dict[int, int] = {}
-        i = 0
-        while i < n and alive:
-            h = hashes[i]
-            g = gpu.get(h, 0)
-            m = (g | spec.get(h, 0)) & alive
-            if m != alive:
-                dropped = alive & ~m
-                for b in bits:
-                    if dropped & b:
-                        gpu_end[b] = i
-                alive = m
-            spec_only = alive & real & ~g
-            if spec_only:
-                for b in bits:
-                    if spec_only & b:
-                        out[bits[b]].speculative = -i - 1  # marks: speculative from block i on
-                real &= ~spec_only
-            i += 1
-        for b in bits:
-            if alive & b:
-                gpu_end[b] = n
+        gpu = list(map(self._masks[GPU].get, hashes, repeat(0)))
+        spec = self._spec_mask
+        held = list(map(or_, gpu, map(spec.get, hashes, repeat(0)))) if spec else gpu
+        gpu_end = _run_ends(held, 0, alive)
+        if spec:
+            # A replica's real run ends at its first block held only speculatively.
+            real_end = _run_ends(gpu, 0, alive)
+            for b, r in bits.items():
+                out[r].speculative = max(gpu_end[b] - real_end[b], 0)
         for b, r in bits.items():
-            g_end = gpu_end[b]
-            match = out[r]
-            if match.speculative < 0:
-                match.speculative = g_end - (-match.speculative - 1)
-            match.gpu = g_end
-            j = g_end
-            while j < n and cpu.get(hashes[j], 0) & b:
-                j += 1
-            match.cpu = j - g_end
+            out[r].gpu = gpu_end[b]
+        cpu = self._masks[CPU]
+        if cpu:
+            starts: dict[int, int] = {}  # run start -> replicas starting there
+            for b, end in gpu_end.items():
+                if end < n:
+                    starts[end] = starts.get(end, 0) | b
+            if starts:
+                cpu_held = list(map(cpu.get, hashes, repeat(0)))
+                for start, mask in starts.items():
+                    for b, end in _run_ends(cpu_held, start, mask).items():
+                        out[bits[b]].cpu = end - start
         return out
 
     def has(self, replica: str, block_hash: int, medium: str = GPU) -> bool:
@@ -249,3 +246,30 @@ class BlockIndex:
     def cached_set(self, replica: str, medium: str = GPU) -> dict[int, int]:
         """A copy of ``{hash: copies}`` for (replica, medium) (tests, debugging)."""
         return dict(self._counts.get((replica, medium), {}))
+
+
+def _run_ends(held: Sequence[int], start: int, mask: int) -> dict[int, int]:
+    """For each bit of ``mask``: the index one past the last of the consecutive entries of
+    ``held`` from ``start`` on that carry the bit (``start`` itself when ``held[start]`` lacks it).
+
+    ``run[k] = mask & held[start] & ... & held[start + k - 1]`` only loses bits, so it is
+    non-increasing as an int; between two drops it is constant, and the next drop is a bisection
+    away. Cost: one C-level ``accumulate`` plus one bisection per distinct run length.
+    """
+    run = list(accumulate(islice(held, start, None), and_, initial=mask))
+    size = len(run)
+    ends: dict[int, int] = {}
+    k, v = 0, mask
+    while v:
+        j = bisect_right(run, -v, k, size, key=neg)  # first index with run[j] < v
+        if j == size:
+            dropped, w = v, 0
+        else:
+            w = run[j]
+            dropped = v & ~w
+        while dropped:
+            low = dropped & -dropped
+            ends[low] = start + j - 1
+            dropped ^= low
+        k, v = j, w
+    return ends

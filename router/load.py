@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
@@ -85,6 +86,20 @@ class LoadTracker:
     def remote_routers(self) -> list[str]:
         with self._lock:
             return list(self._remote)
+
+    def totals_of(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """``totals`` for several replicas under one lock (the decision path)."""
+        with self._lock:
+            remote = list(self._remote.values())
+            out = {}
+            for r in replica_ids:
+                f, p = self._in_flight.get(r, 0), self._pending.get(r, 0)
+                for counts in remote:
+                    rf, rp = counts.get(r, (0, 0))
+                    f += rf
+                    p += rp
+                out[r] = (f, p)
+            return out
 
     def totals(self, replica_id: str) -> tuple[int, int]:
         """(in_flight, pending_prefill_tokens) for ``replica_id`` over every router."""

@@ -57,7 +57,7 @@ class RequestShape:
     block_size: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """A routable replica as the scorers see it."""
 
@@ -118,13 +118,14 @@ DEFAULT_SCORERS: dict[str, Scorer] = {
 }
 
 
-@dataclass
+@dataclass(slots=True)
 class Scored:
-    """One candidate's cost, total and per scorer (seconds; lower is better)."""
+    """One candidate's cost (seconds; lower is better); per scorer too when asked for
+    (``KVRoutePolicy.score``), None on the decision path, which only needs the total."""
 
     candidate: Candidate
     cost: float
-    terms: dict[str, float]
+    terms: dict[str, float] | None = None
 
 
 class Policy:
@@ -153,14 +154,36 @@ class KVRoutePolicy(Policy):
         self.rng = rng or random.Random()
 
     def score(self, c: Candidate, req: RequestShape) -> Scored:
+        """One candidate's cost with its per-scorer terms."""
         terms = {name: fn(c, req, self.weights) for name, fn in self.scorers.items()}
         return Scored(c, sum(terms.values()), terms)
 
+    def costs(self, cands: Sequence[Candidate], req: RequestShape) -> list[float]:
+        """Every candidate's cost, equal to ``score(c, req).cost`` bit for bit. With the default
+        scorers the sum is written out in their order (same float operations, no call per term):
+        ~0.5 us a candidate against ~3 us through the five scorer calls and a terms dict."""
+        w = self.weights
+        if self.scorers != DEFAULT_SCORERS:
+            fns = tuple(self.scorers.values())
+            return [sum(fn(c, req, w) for fn in fns) for c in cands]
+        prompt, block = req.prompt_tokens, req.block_size
+        rate, cpu_w, work_w = w.prefill_tokens_per_s, w.cpu_match_weight, w.prefill_work_weight
+        decode_s, kv_w, flight_w = w.decode_seconds_per_running, w.kv_usage_weight, w.in_flight_weight
+        out = []
+        for c in cands:
+            u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
+            out.append(
+                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s + work_w * u / rate
+                + c.kv_usage * kv_w + c.in_flight * flight_w
+            )
+        return out
+
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [self.score(c, req) for c in cands]
+        costs = self.costs(cands, req)
+        scored = [Scored(c, cost) for c, cost in zip(cands, costs, strict=True)]
         if not scored:
             return None, scored
-        best = min(s.cost for s in scored)
+        best = min(costs)
         ties = [s.candidate for s in scored if s.cost == best]
         return (ties[0] if len(ties) == 1 else self.rng.choice(ties)), scored
 
@@ -174,7 +197,7 @@ class RoundRobinPolicy(Policy):
         self._next = 0
 
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, 0.0, {}) for c in cands]
+        scored = [Scored(c, 0.0) for c in cands]
         if not cands:
             return None, scored
         ordered = sorted(cands, key=lambda c: c.replica_id)
@@ -192,7 +215,7 @@ class LeastLoadedPolicy(Policy):
         self.rng = rng or random.Random()
 
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, float(c.in_flight + c.running), {}) for c in cands]
+        scored = [Scored(c, float(c.in_flight + c.running)) for c in cands]
         if not scored:
             return None, scored
         best = min(s.cost for s in scored)
@@ -206,7 +229,7 @@ class RandomPolicy(Policy):
         self.rng = rng or random.Random()
 
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, 0.0, {}) for c in cands]
+        scored = [Scored(c, 0.0) for c in cands]
         return (self.rng.choice(list(cands)) if cands else None), scored
 
 

@@ -177,9 +177,12 @@ _BOUNDARIES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31]
 _BIG_BOUNDARIES = [2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
 
 
-def _tokens(rng: random.Random, n: int, big: bool) -> list[int]:
+def _tokens(rng: random.Random, n: int, big: bool, small: bool = False) -> list[int]:
+    """Ids around every CBOR size boundary; ``small``: all below 2**16 (the 4-byte-row path)."""
     hi = 2**64 - 1 if big else 2**31
     picks = _BOUNDARIES + (_BIG_BOUNDARIES if big else [])
+    if small:
+        hi, picks = 2**16 - 1, [b for b in _BOUNDARIES if b < 2**16]
     out = []
     for _ in range(n):
         r = rng.random()
@@ -188,7 +191,7 @@ def _tokens(rng: random.Random, n: int, big: bool) -> list[int]:
         elif r < 0.4:
             out.append(rng.randrange(0, 300))
         elif r < 0.6:
-            out.append(rng.randrange(0, 70000))
+            out.append(rng.randrange(0, min(70000, hi + 1)))
         else:
             out.append(rng.randint(0, hi))
     return out
@@ -199,9 +202,11 @@ def prompts(draw):
     block_size = draw(st.one_of(st.integers(1, 24), st.integers(1, 300)))
     num_blocks = draw(st.integers(0, max(1, min(6, 1200 // block_size))))
     partial = draw(st.integers(0, block_size - 1))
-    big = draw(st.integers(0, 3)) == 0  # ids up to 2**64 - 1 in a quarter of the prompts
+    kind = draw(st.integers(0, 3))
+    big = kind == 0  # ids up to 2**64 - 1 in a quarter of the prompts
+    small = kind == 1  # all ids below 2**16 in another quarter
     rng = random.Random(draw(st.integers(0, 2**32)))
-    tokens = _tokens(rng, num_blocks * block_size + partial, big)
+    tokens = _tokens(rng, num_blocks * block_size + partial, big, small)
     return block_size, tokens, big
 
 

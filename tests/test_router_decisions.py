@@ -7,6 +7,7 @@ in-flight terms. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -168,3 +169,26 @@ def test_no_routable_replica_gives_no_pick_and_a_reason():
     router = make_router([])
     d = router.decide(prompt(1, 40))
     assert d.picked is None and "no replica" in d.reason
+
+
+def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
+    """KVRoutePolicy.costs writes the default scorers' sum out inline; it must not drift from
+    them (ties are exact float equality)."""
+    from router.index import Match
+    from router.scoring import DEFAULT_SCORERS, Candidate, RequestShape
+
+    rng = random.Random(7)
+    weights = ScoringWeights(prefill_tokens_per_s=1234.5, decode_seconds_per_running=0.0031, prefill_work_weight=2.5,
+                             cpu_match_weight=0.3, kv_usage_weight=0.07, in_flight_weight=0.011)
+    cands = [
+        Candidate(f"r{i}", Match(gpu=rng.randrange(40), cpu=rng.randrange(10)), queued_prefill_tokens=rng.randrange(5000),
+                  running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random())
+        for i in range(200)
+    ]
+    for req in (RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)):
+        fast = KVRoutePolicy(weights)
+        wrapped = {name: functools.partial(fn) for name, fn in DEFAULT_SCORERS.items()}
+        slow = KVRoutePolicy(weights, scorers=wrapped)  # not the defaults: one call per scorer
+        expected = [fast.score(c, req).cost for c in cands]
+        assert fast.costs(cands, req) == expected
+        assert slow.costs(cands, req) == expected

@@ -1,0 +1,69 @@
+"""BlockIndex.lookup (router/index.py) against a plain per-replica walk of DESIGN.md §5's rule:
+a replica matches the leading blocks it holds on the GPU or speculatively, the speculative ones
+counted from its first block not really on the GPU, then the run after them on its CPU tier."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.events import CPU, GPU
+from router.index import BlockIndex, Match
+
+
+def reference_match(chain: list[int], gpu: set[int], spec: set[int], cpu: set[int]) -> Match:
+    held = 0
+    while held < len(chain) and (chain[held] in gpu or chain[held] in spec):
+        held += 1
+    real = 0
+    while real < len(chain) and chain[real] in gpu:
+        real += 1
+    end = held
+    while end < len(chain) and chain[end] in cpu:
+        end += 1
+    return Match(gpu=held, cpu=end - held, speculative=held - min(real, held))
+
+
+@st.composite
+def index_states(draw):
+    pool = draw(st.integers(1, 12))  # few distinct hashes: shared prefixes, duplicates, gaps
+    hashes = st.integers(0, pool - 1).map(lambda i: 10_000 + i * 7_919)
+    num_replicas = draw(st.integers(1, 70))  # past 64: masks wider than one machine word
+    replicas = {}
+    for r in range(num_replicas):
+        replicas[f"r{r}"] = tuple(set(draw(st.lists(hashes, max_size=10))) for _ in range(3))  # gpu, spec, cpu
+    chain = draw(st.lists(hashes, max_size=30))
+    candidates = draw(st.none() | st.lists(st.sampled_from([*replicas, "unknown"]), unique=True))
+    return replicas, chain, candidates
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(index_states())
+def test_lookup_equals_a_plain_walk_per_replica(state):
+    replicas, chain, candidates = state
+    index = BlockIndex(speculative_ttl=60.0, clock=lambda: 0.0)
+    for name, (gpu, spec, cpu) in replicas.items():
+        index.add(name, sorted(gpu), GPU)
+        index.add(name, sorted(gpu), GPU)  # two copies: the lookup sees a hash, not a count
+        index.add(name, sorted(cpu), CPU)
+        index.add_speculative(name, sorted(spec))
+    got = index.lookup(chain, candidates)
+    names = list(replicas) if candidates is None else candidates
+    assert set(got) == set(names)
+    for name in names:
+        expected = reference_match(chain, *replicas[name]) if name in replicas else Match()
+        assert got[name] == expected, name
+
+
+def test_worked_example_gpu_then_speculative_then_cpu():
+    index = BlockIndex(speculative_ttl=60.0, clock=lambda: 0.0)
+    chain = [1, 2, 3, 4, 5, 6]
+    index.add("a", [1, 2], GPU)
+    index.add_speculative("a", [3, 4])
+    index.add("a", [5], CPU)
+    index.add("b", [1, 2, 3, 4, 5, 6], CPU)
+    index.add("c", [2, 3], GPU)  # no block 0: nothing matches
+    got = index.lookup(chain)
+    assert got["a"] == Match(gpu=4, cpu=1, speculative=2)
+    assert got["b"] == Match(gpu=0, cpu=6, speculative=0)
+    assert got["c"] == Match()
