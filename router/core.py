@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.hashing import BlockHasher, BlockHashKeys
+from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
 from router.registry import ReplicaInfo, ReplicaRegistry
@@ -72,7 +72,7 @@ class Router:
             ValueError: a token id is negative or not an integer.
         """
         t0 = time.perf_counter()
-        keys = BlockHashKeys(cache_salt=cache_salt or None)
+        keys = BlockHashKeys(cache_salt=cache_salt) if cache_salt else NO_KEYS
         hashes = self.hasher.event_ints(token_ids, keys)
         t1 = time.perf_counter()
         replicas = {r.replica_id: r for r in self.registry.routable() if r.replica_id not in exclude}
@@ -80,21 +80,14 @@ class Router:
             matches = self.index.lookup(hashes, replicas)
         t2 = time.perf_counter()
         totals = self.load.totals_of(replicas)
-        cands = []
-        for rid, info in replicas.items():
-            in_flight, pending = totals[rid]
-            cands.append(
-                Candidate(
-                    replica_id=rid,
-                    match=matches[rid],
-                    # The heartbeat counts what has reached the replica; the routers count what they
-                    # sent and has not been prefilled. They overlap, so take the larger.
-                    queued_prefill_tokens=max(info.queued_prefill_tokens, pending),
-                    running=info.running,
-                    in_flight=in_flight,
-                    kv_usage=info.usage,
-                )
-            )
+        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage), positional
+        # (the decision path). Queued prefill: the heartbeat counts what has reached the replica, the
+        # routers what they sent and has not been prefilled; they overlap, so take the larger.
+        cands = [
+            Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
+                      totals[rid][0], info.usage)
+            for rid, info in replicas.items()
+        ]
         req = RequestShape(len(token_ids), self.hasher.block_size)
         pick, scored = self.policy.choose(cands, req)
         t3 = time.perf_counter()

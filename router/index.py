@@ -26,7 +26,7 @@ from operator import and_, neg, or_
 from kvroute.events import CPU, GPU, MEDIA
 
 
-@dataclass
+@dataclass(slots=True)
 class Match:
     """A replica's matched prefix for one request, in blocks: ``gpu`` leading blocks on the GPU,
     then ``cpu`` more on its CPU tier; ``speculative`` of the ``gpu`` ones are speculative."""
