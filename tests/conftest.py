@@ -13,3 +13,27 @@ def default_model_dir(tmp_path_factory) -> Path:
     from replica.model.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
 
     return ensure_default_model(tmp_path_factory.mktemp("default-model") / DEFAULT_MODEL_DIRNAME)
+
+
+# -- gRPC stubs for a module that serves something: it defines ``grpc_target`` ------------------------
+@pytest.fixture(scope="module")
+def channel(grpc_target: str):
+    import grpc
+
+    ch = grpc.insecure_channel(grpc_target)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def gen(channel):
+    from kvroute.v1 import generation_pb2_grpc
+
+    return generation_pb2_grpc.GenerationServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def rep(channel):
+    from kvroute.v1 import replica_pb2_grpc
+
+    return replica_pb2_grpc.ReplicaServiceStub(channel)

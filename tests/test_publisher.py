@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import redis
+from support import wait_for
 
 from kvroute.cache_state import BatchResult, ReplicaCacheState
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -35,15 +36,6 @@ LOAD = {"free_blocks": 40, "running": 2, "waiting": 1, "usage": 0.375, "queued_p
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll ``cond`` until it is true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
 def read_entries(
     r: redis.Redis, layout: RedisLayout, replica_id: str = REPLICA
 ) -> list[tuple[int, int, list]]:

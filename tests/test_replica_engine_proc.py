@@ -12,12 +12,13 @@ import functools
 import os
 import pickle
 import signal
-import time
 
 import grpc
 import pytest
 import redis
+import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
@@ -42,18 +43,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def wait_for(pred, timeout: float = 20.0, interval: float = 0.02):
-    """Poll ``pred()`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
-
-
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -65,6 +54,11 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
+    """``support.wait_for`` with a longer default: engine processes start a fresh interpreter."""
+    return support.wait_for(pred, timeout, what)
 
 
 @pytest.fixture(scope="module")
@@ -98,30 +92,13 @@ def replica(settings):
 
 
 @pytest.fixture(scope="module")
-def channel(replica):
-    ch = grpc.insecure_channel(replica.target)
-    yield ch
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def gen(channel):
-    return gen_grpc.GenerationServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def rep(channel):
-    return rep_grpc.ReplicaServiceStub(channel)
+def grpc_target(replica) -> str:
+    return replica.target  # conftest's channel / gen / rep connect here
 
 
 @pytest.fixture(scope="module")
 def r(redis_server):
     return redis.Redis.from_url(redis_server.url)
-
-
-def idle(rep) -> bool:
-    load = rep.GetLoad(rep_pb.GetLoadRequest())
-    return load.running == 0 and load.waiting == 0 and load.kv_usage == 0.0
 
 
 # -- the engine runs in another process, the service behaves the same --------------------------------

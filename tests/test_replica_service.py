@@ -7,15 +7,15 @@ its own event-loop thread; the tests dial it like a router would.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support import replica_idle as idle
+from support import wait_for
 
 from kvroute.v1 import generation_pb2 as gen_pb
-from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.engine.params import SamplingParams
@@ -25,18 +25,6 @@ from replica.settings import ReplicaSettings
 
 BLOCK = 16
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
-    """Poll ``pred()`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")
@@ -55,30 +43,13 @@ def replica(settings):
 
 
 @pytest.fixture(scope="module")
-def channel(replica):
-    ch = grpc.insecure_channel(replica.target)
-    yield ch
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def gen(channel):
-    return gen_grpc.GenerationServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def rep(channel):
-    return rep_grpc.ReplicaServiceStub(channel)
+def grpc_target(replica) -> str:
+    return replica.target  # conftest's channel / gen / rep connect here
 
 
 @pytest.fixture(scope="module")
 def model_info(gen):
     return gen.GetModelInfo(gen_pb.GetModelInfoRequest())
-
-
-def idle(rep) -> bool:
-    load = rep.GetLoad(rep_pb.GetLoadRequest())
-    return load.running == 0 and load.waiting == 0 and load.kv_usage == 0.0
 
 
 # -- happy path -------------------------------------------------------------------------------------

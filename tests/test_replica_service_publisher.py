@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import redis
+from support import wait_for
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
@@ -21,17 +20,6 @@ from replica.settings import ReplicaSettings
 
 BLOCK = 16
 PROMPT = [(13 * i + 1) % 500 for i in range(3 * BLOCK + 2)]
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ looked up). So prefix cache queries = 106 tokens, hits = 48.
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_for
 
 from kvroute.telemetry import extract_context, inject_metadata, setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -30,17 +30,6 @@ TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 PARENT_SPAN_ID = 0x00F067AA0BA902B7
 TRACEPARENT = f"00-{TRACE_ID:032x}-{PARENT_SPAN_ID:016x}-01"
 METHOD = "kvroute.v1.ReplicaService/GenerateStream"
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ two turns' id sequences, in whole blocks, and the replica reports the cached tok
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
+from support import wait_for
 
 from kvroute.model_folder import ModelLoadError
 from kvroute.redis_server import RedisServer
@@ -70,17 +69,6 @@ TEXTS = {
     "unicode": "Grüße 潮 🌊",
     "spaces": "   leading and trailing   ",
 }
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

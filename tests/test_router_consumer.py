@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from support import wait_for
 
 from kvroute.cache_state import ReplicaCacheState
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored
@@ -35,15 +36,6 @@ SYNC_TIMEOUT = 2.0
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll ``cond`` until it is true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
 class FakeReplica:
     """A replica without an engine: a real publisher fed random events; ``truth`` is its cached set."""
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import kubernetes.client
 import pytest
+from support import wait_for
 
 from kvroute.hashing import BlockHasher
 from router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery, parse_address
@@ -24,14 +24,6 @@ from router.registry import ReplicaRegistry
 
 NAMESPACE = "kvroute"
 SERVICE = "kvroute-replicas"
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 # -- a fake Kubernetes API server ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import wait_for
 
 from kvroute.redis_server import RedisServer, free_port
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -48,17 +49,6 @@ POLL = 0.1  # routers' heartbeat poll interval
 PREFIX = [random.Random(42).randrange(10, 500) for _ in range(512)]
 SAMPLING = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 def request(i: int) -> gen_pb.GenerateRequest:
