@@ -12,8 +12,10 @@ Rows:
 - peak RSS of this process (``resource.getrusage``): the engine alone (read before transformers
   loads) and the whole run.
 - with ``--vllm-python PATH``: vLLM offline (``LLM(model=folder, enable_prefix_caching=True)``) run
-  in that interpreter on the same folder, prompts and sampling. Goal: kvroute >= 1.0x vLLM at
-  batch 32.
+  in that interpreter on the same folder, prompts, dtype and sampling, with the engine's thread
+  budget (``vllm_env``), one warm-up per batch and the prefix cache reset before each timed run.
+  Goal: kvroute >= 1.0x vLLM at batch 32. Its whole log goes to ``VLLM_LOG``; a failure prints
+  the root cause and the log's tail.
 
 Every timing is the median of ``--repeats`` runs after a warm-up; engine and transformers runs
 alternate, so that both see the same background load. One torch thread by default (``--threads``):
@@ -27,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,27 +58,68 @@ GOAL_TTFT_RATIO = 0.25
 GOAL_VLLM_X = 1.0
 NUM_SPECIAL = len(SPECIAL_TOKENS)  # the default model's special tokens are its last ids: never in prompts
 
+# Run by ``--vllm-python`` in its own interpreter. vLLM's CPU backend starts its engine core and
+# worker with the ``spawn`` method, which re-imports ``__main__``: hence the guard. Its KV cache is
+# sized explicitly (``kv_cache_memory_bytes``): by default it reserves 92% of NUMA node 0's memory
+# and refuses to start when that much is not free.
 VLLM_SCRIPT = r"""
-import json, sys, time
-from vllm import LLM, SamplingParams
-args = json.loads(open(sys.argv[1]).read())
-llm = LLM(model=args["model"], enable_prefix_caching=True, dtype=args["dtype"], seed=0,
-          max_model_len=args["max_model_len"], max_num_seqs=max(args["batches"]) if args["batches"] else 32)
-greedy = SamplingParams(temperature=0.0, max_tokens=args["max_new_tokens"], ignore_eos=True)
-out = {}
-for b, prompts in zip(args["batches"], args["prompts"]):
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(reqs[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    times = []
-    for _ in range(args["repeats"]):
+import dataclasses, json, statistics, sys, time
+
+
+def cpu_seconds():
+    # CPU time of this process and its children (vLLM's engine core and worker), or None.
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me, total = psutil.Process(), 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def main():
+    args = json.loads(open(sys.argv[1]).read())
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = dict(model=args["model"], enable_prefix_caching=True, dtype=args["dtype"], seed=0,
+              max_model_len=args["max_model_len"], max_num_seqs=max(args["batches"]))
+    if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        kw["kv_cache_memory_bytes"] = args["kv_cache_gib"] << 30
+    llm = LLM(**kw)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args["max_new_tokens"], ignore_eos=True)
+    out = {"version": vllm.__version__, "batches": {}}
+    for b, prompts in zip(args["batches"], args["prompts"]):
+        reqs = [{"prompt_token_ids": p} for p in prompts]
         llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        res = llm.generate(reqs, greedy, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    out[str(b)] = {"seconds": times[len(times) // 2], "outputs": [list(r.outputs[0].token_ids) for r in res]}
-print("VLLM_RESULT " + json.dumps(out))
+        res = llm.generate(reqs, greedy, use_tqdm=False)  # warm-up (as the engine's output-check run)
+        times, cpu0 = [], cpu_seconds()
+        for _ in range(args["repeats"]):
+            llm.reset_prefix_cache()  # every timed run computes its prompts
+            t0 = time.perf_counter()
+            llm.generate(reqs, greedy, use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        cpu1 = cpu_seconds()
+        out["batches"][str(b)] = {"seconds": statistics.median(times),
+                                  "cores": None if cpu0 is None else (cpu1 - cpu0) / sum(times),
+                                  "outputs": [list(r.outputs[0].token_ids) for r in res]}
+        print(f"vLLM batch {b}: {b * args['max_new_tokens'] / statistics.median(times):.1f} tok/s",
+              file=sys.stderr, flush=True)
+    print("VLLM_RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
 """
+VLLM_TIMEOUT_S = 1800  # first start compiles the model (torch.compile): about a minute on 2 cores
+VLLM_KV_CACHE_GIB = 1
+VLLM_LOG = Path(tempfile.gettempdir()) / "kvroute-bench-vllm.log"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,9 +203,52 @@ def hf_decode(
 
 
 # -- vLLM ---------------------------------------------------------------------------------------
+def vllm_env(threads: int) -> dict[str, str]:
+    """The child's environment; variables already set win, except OMP_NUM_THREADS.
+
+    With ``--threads N`` (default 1) vLLM gets the engine's CPU budget: scheduler and model in one
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) computing with N OpenMP threads. By default vLLM
+    runs its scheduler (a busy loop) and its model worker in processes of their own, with the
+    worker's threads bound to every core but one: on 2 cores that is 1 compute thread but 2 cores
+    busy, and on this host it was no faster than the one-process run. ``--threads 0`` leaves all
+    of that to vLLM."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_CACHE_GIB))  # GiB; older vLLMs read only this
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":  # the worker's own binding: cores 0..N-1
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+    return env
+
+
+def vllm_root_cause(lines: list[str]) -> str:
+    """The first ``SomeError: message`` line of the child's log (a worker's error comes before the
+    engine core's and the parent's wrappers of it), without vLLM's ``(proc) ERROR ... [file]`` prefix."""
+    for line in lines:
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if m and "initialization failed" not in m.group(2) and "See root cause" not in m.group(2):
+            return f"{m.group(1)}: {m.group(2)}"
+    return ""
+
+
+def vllm_python_path(python: str) -> str:
+    """``--vllm-python`` as an absolute path (the child runs in a temp dir), without following the
+    venv's symlink (that would lose the venv); exits when it is not an executable."""
+    found = shutil.which(python)
+    if not found:
+        sys.exit(f"--vllm-python {python}: not an executable")
+    return os.path.abspath(found)
+
+
 def run_vllm(
     python: str, model_dir: Path, prompts: dict[int, list[list[int]]], args, dtype: str, max_len: int
-):
+) -> tuple[dict | None, str]:
+    """Runs VLLM_SCRIPT in ``python``; returns (result, "") or (None, why it failed). The child's
+    whole output (vLLM logs to both streams) is kept in VLLM_LOG."""
     with tempfile.TemporaryDirectory() as tmp:
         script, spec = Path(tmp) / "vllm_bench.py", Path(tmp) / "spec.json"
         script.write_text(VLLM_SCRIPT)
@@ -171,21 +260,49 @@ def run_vllm(
                     "max_model_len": max_len,
                     "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats,
+                    "kv_cache_gib": VLLM_KV_CACHE_GIB,
                     "batches": list(prompts),
                     "prompts": list(prompts.values()),
                 }
             )
         )
-        proc = subprocess.run([python, str(script), str(spec)], capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
+        timed_out = False
+        with open(VLLM_LOG, "w") as log:
+            # A session of its own: on a timeout the engine core and worker processes go too.
+            proc = subprocess.Popen(
+                [python, str(script), str(spec)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=tmp,
+                env=vllm_env(args.threads),
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=VLLM_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+    lines = VLLM_LOG.read_text(errors="replace").splitlines()
+    for line in lines:
         if line.startswith("VLLM_RESULT "):
-            return {int(k): v for k, v in json.loads(line[len("VLLM_RESULT ") :]).items()}, None
-    return None, "failed: " + (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1]
+            res = json.loads(line[len("VLLM_RESULT ") :])
+            return {"version": res["version"], **{int(k): v for k, v in res["batches"].items()}}, ""
+    why = f"timed out after {VLLM_TIMEOUT_S} s" if timed_out else f"exit status {rc}"
+    cause = vllm_root_cause(lines)
+    tail = "\n".join("    | " + line for line in lines[-20:])
+    return (
+        None,
+        f"{why}{': ' + cause if cause else ''}\n  last {min(20, len(lines))} lines of {VLLM_LOG}:\n{tail}",
+    )
 
 
 # -- the run ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.vllm_python:
+        args.vllm_python = vllm_python_path(args.vllm_python)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -275,8 +392,11 @@ def _run(args: argparse.Namespace, model_dir: Path, started: float) -> int:
 
     vllm_res, vllm_err = None, "not run (pass --vllm-python)"
     if args.vllm_python:
-        print("  running vLLM ...", flush=True)
+        print(f"  running vLLM (log: {VLLM_LOG}) ...", flush=True)
         vllm_res, vllm_err = run_vllm(args.vllm_python, model_dir, prompts, args, dtype_name, max_len)
+        if vllm_res is None:
+            print(f"  vLLM failed: {vllm_err}", flush=True)
+            vllm_err = "failed (see above)"
     rss_end = peak_rss_mib()
 
     # The table.
@@ -303,20 +423,24 @@ def _run(args: argparse.Namespace, model_dir: Path, started: float) -> int:
     # The baseline column is the whole run's peak (engine + transformers in this process).
     rows.append(("peak RSS (MiB)", f"{rss_engine:.0f}", f"whole run {rss_end:.0f}", "", "", ""))
     if vllm_res is not None:
-        v = 32 * args.max_new_tokens / vllm_res[32]["seconds"]
-        x = ours_tps[32] / v
-        same_v = sum(a == o for a, o in zip(ours_out[32], vllm_res[32]["outputs"], strict=True))
-        rows.append(
-            (
-                "vs vLLM: decode tok/s, batch 32",
-                f"{ours_tps[32]:.0f}",
-                f"vLLM {v:.0f}",
-                f"{x:.2f}x",
-                f">= {GOAL_VLLM_X:.1f}x",
-                "PASS" if x >= GOAL_VLLM_X else "MISS",
-            )  # fmt: skip
-        )
-        rows.append(("  vLLM outputs identical (batch 32)", f"{same_v}/32", "", "", "", ""))
+        for b in BATCHES:
+            v = b * args.max_new_tokens / vllm_res[b]["seconds"]
+            x = ours_tps[b] / v
+            rows.append(
+                (
+                    f"vs vLLM: decode tok/s, batch {b}",
+                    f"{ours_tps[b]:.0f}",
+                    f"vLLM {v:.0f}",
+                    f"{x:.2f}x",
+                    f">= {GOAL_VLLM_X:.1f}x" if b == 32 else "",
+                    ("PASS" if x >= GOAL_VLLM_X else "MISS") if b == 32 else "",
+                )  # fmt: skip
+            )
+        same_v = [
+            f"{sum(a == o for a, o in zip(ours_out[b], vllm_res[b]['outputs'], strict=True))}/{b}"
+            for b in BATCHES
+        ]
+        rows.append(("  vLLM outputs identical", " ".join(same_v), "", "", "", ""))
     else:
         rows.append(("vs vLLM: decode tok/s, batch 32", "", vllm_err, "", f">= {GOAL_VLLM_X:.1f}x", ""))
 
@@ -324,6 +448,20 @@ def _run(args: argparse.Namespace, model_dir: Path, started: float) -> int:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print()
     print("baseline: transformers generate (greedy, left padding), same weights, prompts and device")
+    if vllm_res is not None:
+        env = vllm_env(args.threads)
+        if env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+            how = f"scheduler and model in one process, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
+        else:
+            how = (
+                "scheduler and model worker in processes of their own,"
+                f" VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}"
+            )
+        cores = vllm_res[32].get("cores")
+        print(
+            f"vLLM {vllm_res['version']}: offline LLM.generate, {dtype_name}, prefix caching on (reset before each"
+            f" run), {how}" + (f"; {cores:.1f} cores busy at batch 32" if cores is not None else "")
+        )
     for r in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print(f"\ntotal bench time {time.perf_counter() - started:.0f} s")
