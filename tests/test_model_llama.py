@@ -35,7 +35,7 @@ from replica.model import (  # noqa: E402
     load_model_folder,
 )
 from replica.model.default_model import build_default_model_files  # noqa: E402
-from replica.model.llama import rope_inv_freq  # noqa: E402
+from replica.model.llama import linear_t, rope_inv_freq  # noqa: E402
 
 PROMPTS = [
     "The harbour town woke before the sun.",
@@ -246,6 +246,39 @@ def test_default_model_shape_is_small_llama_with_gqa(ours_default, default_model
     assert 1_000_000 < num_params < 10_000_000
 
 
+def test_hugging_face_named_weights_are_views_of_transposed_buffers(ours_default, default_model_dir):
+    from safetensors.torch import load_file
+
+    model = ours_default.model
+    params = dict(model.named_parameters())
+    checkpoint = load_file(default_model_dir / "model.safetensors")
+    assert set(params) == set(checkpoint)
+    for name, tensor in checkpoint.items():
+        assert torch.equal(params[name], tensor), name
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    views = [
+        (attn.q_proj, attn.qkv_weight_t), (attn.k_proj, attn.qkv_weight_t), (attn.v_proj, attn.qkv_weight_t),
+        (attn.o_proj, attn.o_weight_t), (mlp.gate_proj, mlp.gate_weight_t), (mlp.up_proj, mlp.up_weight_t),
+        (mlp.down_proj, mlp.down_weight_t), (model.lm_head, model.lm_head_weight_t),
+    ]  # fmt: skip
+    for linear, buffer in views:
+        # [in, out] row-major, one copy: the [out, in] parameter is a view into it
+        assert buffer.is_contiguous() and buffer.shape[0] == linear.in_features
+        assert linear.weight.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert attn.qkv_weight_t.shape[1] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_t_on_a_transposed_weight_computes_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    got = linear_t(x, weight.t().contiguous(), bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-6, atol=1e-5)
+
+
 def test_default_model_generation_is_byte_identical(default_model_dir):
     again = build_default_model_files()
     assert again == build_default_model_files()
@@ -376,6 +409,7 @@ def test_qwen2_config_implies_qkv_bias_and_ties_embeddings(tiny_checkpoint):
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head_weight_t is None  # a tied head is not copied into a transposed buffer
 
 
 def test_mistral_sliding_window_caps_max_model_len(tiny_checkpoint):
