@@ -1,7 +1,8 @@
 """Router benchmark: the routing decision, event ingest, index memory and the proxy's added latency,
 in one table with a verdict per goal.
 
-    python bench/router.py [--decisions 2000] [--requests 300] [--skip-proxy]
+    python bench/router.py [--decisions 2000] [--requests 300] [--skip-proxy | --proxy-only]
+                           [--bare aio,sync-st]
 
 - **decision overhead** (hash + lookup + score: ``Router.decide``) for 8k-token
   prompts over 64 replicas and 1M indexed (replica, block) entries. The index is built directly
@@ -16,10 +17,36 @@ in one table with a verdict per goal.
 - **index memory per entry**: tracemalloc's traced bytes for the 1M-entry index above / entries.
 - **proxy added latency**: ``python -m replica`` and ``python -m router`` as child processes (one
   Redis), a client here; the same 64-token prompt (warm in the prefix cache), 8 output tokens,
-  sent in turn to the replica's GenerationService, to the router's, and to a bare grpc.aio
-  pass-through (this file, ``--passthrough``: one server handler forwarding to one client call,
-  nothing else) -- the floor any Python gRPC hop pays on this machine. Added = p50(routed) -
-  p50(direct), for the time to the first token and for the whole request. Goal: <= 1 ms at p50.
+  sent in turn to the replica's GenerationService, to the router's, and to each bare pass-through
+  named by ``--bare`` (this file, ``--passthrough``: one server handler forwarding to one client
+  call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
+  this machine. Added = p50(side) - p50(direct), for the time to the first token and for the whole
+  request. Goal: <= 1 ms at p50.
+
+What the hop costs (2-core box shared with other benchmarks, load average 1.8-3.7; added p50 in ms,
+TTFT / whole request; medians of 3-4 interleaved runs of 150-300 requests per side):
+
+    design (bare pass-through)                          real replica           idle fake upstream
+    grpc.aio server + aio client (the router's)         1.8-2.2 / 1.7-4.1      1.0-1.3 / 2.1-2.4
+      + uvloop                                          1.8     / 2.5          1.0     / 1.9
+      + raw response bytes (no (de)serialization)       2.3-2.7 / 1.8-3.3      1.0     / 1.9
+      + grpc.optimization_target=latency, no BDP probe  -                      1.1     / 2.0
+      + GRPC_EXPERIMENTS=-event_engine_* (iomgr)        2.1     / 3.0          1.1     / 2.2
+    sync server (8 threads) + sync client               1.9-2.2 / 2.4-3.5      1.0     / 1.9
+    sync + SingleThreadedUnaryStream client ("sync-st") 1.2-1.8 / 1.9-3.2      0.8-1.0 / 1.5-1.9
+      + raw response bytes                              1.5-2.0 / 2.2-3.4      0.8     / 1.5
+      + grpc.optimization_target=latency, no BDP probe  1.8     / 2.5          0.9     / 1.6
+    grpclib (pure-Python HTTP/2) server + client        -                      1.4     / 1.9
+      + uvloop                                          -                      1.3     / 1.7
+    the router (aio; tokenize, decide, commit, ...)     2.4-3.2 / 2.6-4.6      -
+
+Nothing gets a Python hop under 1 ms here: a hop adds, per message, one more loopback write and the
+wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
+event-engine thread -> poller thread -> event loop; sync-st: event-engine thread -> handler thread);
+with the replica computing on one of the 2 cores, every wake-up waits for a core. sync-st is
+0.3-0.6 ms cheaper than aio at TTFT in the same runs, but not under +1.5 ms reliably, and it serves
+each stream on a pool thread (long LLM streams x threads x one GIL), so the router stays on grpc.aio.
+The router's own share, ~0.45 ms before the upstream call is made, is itemised in router/proxy.py.
 
 Verdicts on the decision and the ingest use the benchmark thread's CPU time (``time.thread_time``:
 "on one core"), so that neighbours on a shared machine do not decide them; the decision's wall time
@@ -30,6 +57,7 @@ latency can only be wall time: a note is printed when other processes kept cores
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -38,6 +66,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +84,7 @@ from router.consumer import EventConsumer  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
+from router.proxy import GENERATION_SERVICE  # noqa: E402
 from router.registry import ReplicaRegistry  # noqa: E402
 from router.scoring import make_policy  # noqa: E402
 
@@ -182,29 +212,69 @@ def start(args: list[str], target: str, what: str, log: Path) -> subprocess.Pope
             time.sleep(0.1)
 
 
-def passthrough(port: int, upstream: str) -> None:
-    """A bare grpc.aio pass-through proxy (the floor of a Python gRPC hop), until killed."""
-    import asyncio
+# Bare pass-through designs (``--passthrough PORT UPSTREAM VARIANT``): the floor of each kind of Python
+# gRPC hop. "aio": grpc.aio server + grpc.aio client (the router's design); "sync": grpc.server on a
+# ThreadPoolExecutor + a sync client stub; "-st": the sync client channel with
+# grpc.experimental.ChannelOptions.SingleThreadedUnaryStream (the handler thread polls the call itself
+# instead of a channel thread handing each message over); "-bytes": responses forwarded as raw bytes (no
+# response (de)serialization in the hop; the request is still parsed, as a router must).
+BARE_VARIANTS = ("aio", "aio-bytes", "sync", "sync-st", "sync-st-bytes")
+REPLICA_STREAM = "/kvroute.v1.ReplicaService/GenerateStream"
 
+
+def passthrough(port: int, upstream: str, variant: str = "aio") -> None:
+    """A bare pass-through proxy of one design (BARE_VARIANTS), until killed: one handler forwarding
+    GenerationService.GenerateStream to the replica's ReplicaService.GenerateStream, nothing else."""
+    import asyncio
+    from concurrent import futures
+
+    import grpc.experimental
     from grpc_health.v1 import health
 
     from kvroute.v1 import replica_pb2 as rep_pb
-    from kvroute.v1 import replica_pb2_grpc as rep_grpc
 
-    class Forward(gen_grpc.GenerationServiceServicer):
-        def __init__(self) -> None:
-            self.stub: rep_grpc.ReplicaServiceStub | None = None
+    parts = set(variant.split("-"))
+    raw = "bytes" in parts
+    serialize = rep_pb.ReplicaGenerateRequest.SerializeToString
+    deserialize = None if raw else gen_pb.GenerateResponse.FromString
 
-        async def GenerateStream(self, request, context):
-            if self.stub is None:
-                self.stub = rep_grpc.ReplicaServiceStub(grpc.aio.insecure_channel(upstream))
-            upstream_request = rep_pb.ReplicaGenerateRequest(token_ids=request.token_ids.ids, sampling=request.sampling)
-            async for r in self.stub.GenerateStream(upstream_request, timeout=context.time_remaining()):
-                yield r
+    def upstream_request(request: gen_pb.GenerateRequest) -> rep_pb.ReplicaGenerateRequest:
+        return rep_pb.ReplicaGenerateRequest(token_ids=request.token_ids.ids, sampling=request.sampling)
+
+    def handlers(handle) -> grpc.GenericRpcHandler:
+        method = grpc.unary_stream_rpc_method_handler(
+            handle, request_deserializer=gen_pb.GenerateRequest.FromString,
+            response_serializer=None if raw else gen_pb.GenerateResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"GenerateStream": method})
+
+    if "sync" in parts:
+        options = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)] if "st" in parts else []
+        channel = grpc.insecure_channel(upstream, options=options)  # referenced: a collected channel closes
+        call = channel.unary_stream(REPLICA_STREAM, serialize, deserialize)
+
+        def forward(request, context):
+            yield from call(upstream_request(request), timeout=context.time_remaining())
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        server.add_generic_rpc_handlers((handlers(forward),))
+        checks = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        checks.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+        server.wait_for_termination()
+        return
 
     async def serve() -> None:
+        call = grpc.aio.insecure_channel(upstream).unary_stream(REPLICA_STREAM, serialize, deserialize)
+
+        async def forward(request, context):
+            async for r in call(upstream_request(request), timeout=context.time_remaining()):
+                yield r
+
         server = grpc.aio.server()
-        gen_grpc.add_GenerationServiceServicer_to_server(Forward(), server)
+        server.add_generic_rpc_handlers((handlers(forward),))
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -224,23 +294,28 @@ def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateR
     return ttft or 0.0, time.perf_counter() - t0
 
 
-def bench_proxy(n: int, tmp: Path) -> dict[str, list[float]]:
+def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str]) -> dict[str, list[float]]:
+    """{side_ttft | side_total: milliseconds per request} for side = direct, routed, bare-VARIANT..."""
     with RedisServer() as redis_server:
         rport, xport = free_port(), free_port()
         replica = start(["-m", "replica", "--port", str(rport), "--redis-url", redis_server.url, "--replica-id",
                          "bench-replica", "--model-cache-dir", str(tmp), "--num-blocks", "512", "--torch-threads",
                          "1", "--heartbeat-interval", "0.5"], f"127.0.0.1:{rport}", "replica", tmp / "replica.log")
-        router = bare = None
+        procs: list[subprocess.Popen] = []
         try:
-            router = start(["-m", "router", "--port", str(xport), "--redis-url", redis_server.url,
-                            "--model-cache-dir", str(tmp)], f"127.0.0.1:{xport}", "router", tmp / "router.log")
-            bport = free_port()
-            bare = start([str(Path(__file__).resolve()), "--passthrough", str(bport), f"127.0.0.1:{rport}"],
-                         f"127.0.0.1:{bport}", "pass-through", tmp / "passthrough.log")
-            channels = [grpc.insecure_channel(f"127.0.0.1:{p}") for p in (rport, xport, bport)]
-            with channels[0], channels[1], channels[2]:
-                stubs = {side: gen_grpc.GenerationServiceStub(ch)
-                         for side, ch in zip(("direct", "routed", "bare"), channels, strict=True)}
+            procs.append(start(["-m", "router", "--port", str(xport), "--redis-url", redis_server.url,
+                                "--model-cache-dir", str(tmp)], f"127.0.0.1:{xport}", "router", tmp / "router.log"))
+            targets = {"direct": rport, "routed": xport}
+            for variant in bare_variants:
+                bport = targets[f"bare-{variant}"] = free_port()
+                procs.append(start([str(Path(__file__).resolve()), "--passthrough", str(bport), f"127.0.0.1:{rport}",
+                                    "--variant", variant], f"127.0.0.1:{bport}", f"pass-through {variant}",
+                                   tmp / f"passthrough-{variant}.log"))
+            channels = {side: grpc.insecure_channel(f"127.0.0.1:{p}") for side, p in targets.items()}
+            with contextlib.ExitStack() as stack:
+                for ch in channels.values():
+                    stack.enter_context(ch)
+                stubs = {side: gen_grpc.GenerationServiceStub(ch) for side, ch in channels.items()}
                 routed = stubs["routed"]
                 request = gen_pb.GenerateRequest(
                     token_ids=gen_pb.TokenIds(ids=[(7 * i + 3) % 500 + 1 for i in range(64)]),
@@ -266,13 +341,12 @@ def bench_proxy(n: int, tmp: Path) -> dict[str, list[float]]:
                         out[f"{side}_total"].append(total * 1e3)
                 return out
         finally:
-            for proc in (bare, router, replica):
-                if proc is not None:
-                    proc.terminate()
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+            for proc in (*reversed(procs), replica):
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def busy_cores(seconds: float = 1.0) -> float | None:
@@ -297,11 +371,18 @@ def main() -> int:
     p.add_argument("--decisions", type=int, default=2000, help="decisions timed per hash algorithm")
     p.add_argument("--requests", type=int, default=300, help="requests per side for the proxy latency")
     p.add_argument("--skip-proxy", action="store_true", help="no replica / router processes")
+    p.add_argument("--proxy-only", action="store_true", help="only the proxy's added latency")
+    p.add_argument("--bare", default="aio,sync-st", help="bare pass-through designs measured next to the router,"
+                   f" comma-separated ({', '.join(BARE_VARIANTS)}; '' for none)")
     p.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="aio", choices=BARE_VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.passthrough:
-        passthrough(int(args.passthrough[0]), args.passthrough[1])
+        passthrough(int(args.passthrough[0]), args.passthrough[1], args.variant)
         return 0
+    bare = [v for v in args.bare.split(",") if v]
+    if unknown := [v for v in bare if v not in BARE_VARIANTS]:
+        p.error(f"--bare: unknown {', '.join(unknown)}; expected some of {', '.join(BARE_VARIANTS)}")
     t_start = time.monotonic()
     others = busy_cores()
     rng = random.Random(0)
@@ -311,7 +392,7 @@ def main() -> int:
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "MISS"
 
-    for algorithm in ("sha256_cbor", "xxhash_cbor"):
+    for algorithm in ("sha256_cbor", "xxhash_cbor") if not args.proxy_only else ():
         timings, entries = bench_decisions(algorithm, args.decisions, rng)
         p50, p99 = statistics.median(timings["cpu"]), pct(timings["cpu"], 0.99)
         w50, w99 = statistics.median(timings["total"]), pct(timings["total"], 0.99)
@@ -322,27 +403,31 @@ def main() -> int:
                      f"CPU p50 {p50:.3f} / p99 {p99:.3f} ms; wall p50 {w50:.3f} / p99 {w99:.3f} ms ({parts} ms)",
                      goal if default else "(for reference)",
                      verdict(p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS) if default else "-"))
-    apply_rate, add_rate = bench_ingest(rng)
-    rows.append(("event ingest, consumer apply path", f"{apply_rate / 1e6:.2f} M blocks/s",
-                 ">= 1 M blocks/s", verdict(apply_rate >= GOAL_INGEST)))
-    rows.append(("event ingest, BlockIndex.add alone", f"{add_rate / 1e6:.2f} M blocks/s",
-                 ">= 1 M blocks/s", verdict(add_rate >= GOAL_INGEST)))
-    per_entry, entries = bench_index_memory(rng)
-    rows.append(("index memory per (replica, block) entry", f"{per_entry:.0f} B ({entries:,} entries)", "-", "-"))
+    if not args.proxy_only:
+        apply_rate, add_rate = bench_ingest(rng)
+        rows.append(("event ingest, consumer apply path", f"{apply_rate / 1e6:.2f} M blocks/s",
+                     ">= 1 M blocks/s", verdict(apply_rate >= GOAL_INGEST)))
+        rows.append(("event ingest, BlockIndex.add alone", f"{add_rate / 1e6:.2f} M blocks/s",
+                     ">= 1 M blocks/s", verdict(add_rate >= GOAL_INGEST)))
+        per_entry, entries = bench_index_memory(rng)
+        rows.append(("index memory per (replica, block) entry", f"{per_entry:.0f} B ({entries:,} entries)", "-", "-"))
 
     if not args.skip_proxy:
         with tempfile.TemporaryDirectory(prefix="kvroute-bench-router-") as tmp:
-            lat = bench_proxy(args.requests, Path(tmp))
+            lat = bench_proxy(args.requests, Path(tmp), bare)
         for what in ("ttft", "total"):
-            d, r, b = (statistics.median(lat[f"{side}_{what}"]) for side in ("direct", "routed", "bare"))
+            d, r = (statistics.median(lat[f"{side}_{what}"]) for side in ("direct", "routed"))
+            floors = ", ".join(f"{v} {statistics.median(lat[f'bare-{v}_{what}']) - d:+.2f}" for v in bare)
             label = "time to first token" if what == "ttft" else "whole request (8 tokens)"
             rows.append((f"proxy added latency, {label}",
-                         f"{r - d:+.2f} ms p50 (direct {d:.2f}, routed {r:.2f} ms; bare pass-through {b - d:+.2f})",
+                         f"{r - d:+.2f} ms p50 (direct {d:.2f}, routed {r:.2f} ms"
+                         + (f"; bare pass-through {floors})" if bare else ")"),
                          f"<= {GOAL_ADDED_MS:g} ms", verdict(r - d <= GOAL_ADDED_MS)))
 
     print(f"\nrouter benchmark: {NUM_REPLICAS} replicas, {NUM_ENTRIES / 1e6:g}M indexed entries, "
           f"{PROMPT_TOKENS}-token prompts ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm;"
-          f" proxy: {args.requests} requests per side, one replica, loopback; {os.cpu_count()} cores")
+          f" proxy: {args.requests} requests per side, one replica, loopback; {os.cpu_count()} cores,"
+          f" load average {os.getloadavg()[0]:.1f}")
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     head = ("metric", "measured", "goal", "verdict")
     w = [max(w[i], len(head[i])) for i in range(4)]

@@ -214,6 +214,12 @@ class BlockHasher:
         ValueError: unknown algorithm, empty seed or block_size < 1.
     """
 
+    # Prompts of fewer full blocks than this are encoded block by block with cbor2: for a handful of
+    # blocks numpy's fixed cost dominates. Measured (one core, per prompt, hot loop / right after a
+    # cache flush, as a router between requests): 4 blocks 9 / 31 us with cbor2 against 22 / 103 us
+    # with numpy; 16 blocks 35 / 60 against 32 / 130; 64 blocks 140 / 174 against 69 / 186.
+    short_prompt_blocks = 16
+
     def __init__(self, algorithm: str = "sha256_cbor", seed: str = DEFAULT_SEED, block_size: int = DEFAULT_BLOCK_SIZE):
         if algorithm not in _DIGESTS:
             raise ValueError(f"hash_algorithm: unknown {algorithm!r}; expected one of {HASH_ALGORITHMS}")
@@ -276,9 +282,17 @@ class BlockHasher:
             if start_block != 0:
                 raise ValueError("parent: required when start_block > 0")
             parent = self.none_hash
-        buf, bounds = encode_blocks(token_ids, B)
         digest, pre = self._digest, self._tuple_head
         out: list[bytes] = []
+        if num_blocks < self.short_prompt_blocks:
+            ids = _as_uint_array(token_ids[: num_blocks * B]).tolist()  # validates, as encode_blocks does
+            dumps = cbor2.dumps
+            for i in range(num_blocks):
+                extra = None if keys.empty else keys.extra_for_block(start_block + i, B)
+                parent = digest(dumps((parent, tuple(ids[i * B : (i + 1) * B]), extra), canonical=True))
+                out.append(parent)
+            return out
+        buf, bounds = encode_blocks(token_ids, B)
         if keys.empty and self.algorithm == "sha256_cbor":
             # Inlined hashlib call: a Python-level digest wrapper costs ~15% of this loop.
             sha256 = hashlib.sha256

@@ -147,9 +147,12 @@ def test_cache_salt_only_changes_block_0_input_but_the_whole_chain():
     [[1, 2, -1, 4], np.array([1, 2, -1, 4], dtype=np.int64), [1, 2, 3, 2**64], [1, 2.5, 3, 4]],
     ids=["negative-list", "negative-numpy", "too-big", "float"],
 )
-def test_invalid_token_ids_raise_value_error(tokens):
+@pytest.mark.parametrize("short_prompt_blocks", [0, 16], ids=["numpy", "cbor2"])
+def test_invalid_token_ids_raise_value_error(tokens, short_prompt_blocks):
+    hasher = BlockHasher(block_size=4)
+    hasher.short_prompt_blocks = short_prompt_blocks
     with pytest.raises(ValueError, match="token"):
-        BlockHasher(block_size=4).hash_blocks(tokens)
+        hasher.hash_blocks(tokens)
 
 
 def test_float_numpy_tokens_raise_value_error():
@@ -241,12 +244,14 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
     algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     seed=st.text(min_size=1, max_size=20),
     as_numpy=st.booleans(),
+    short_path=st.booleans(),
     data=st.data(),
 )
-def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, as_numpy, data):
+def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, as_numpy, short_path, data):
     block_size, tokens, big = prompt
     spec = data.draw(st.none() | hash_keys(len(tokens)))
     hasher = BlockHasher(algorithm, seed=seed, block_size=block_size)
+    hasher.short_prompt_blocks = 10**9 if short_path else 0  # block by block with cbor2, or numpy
     expected = ref_hashes(tokens, block_size, seed, algorithm, **(spec or {}))
     arg = np.array(tokens, dtype=np.uint64) if as_numpy else tokens
     got = hasher.hash_blocks(arg, _keys(spec)) if spec else hasher.hash_blocks(arg)
@@ -263,6 +268,7 @@ def test_hashing_in_two_pieces_equals_hashing_whole(prompt, data):
     spec = data.draw(st.none() | hash_keys(len(tokens)))
     keys = _keys(spec) if spec else BlockHashKeys()
     hasher = BlockHasher(data.draw(st.sampled_from(["sha256_cbor", "xxhash_cbor"])), block_size=block_size)
+    hasher.short_prompt_blocks = data.draw(st.sampled_from([0, 3, 10**9]))
     whole = hasher.hash_blocks(tokens, keys)
     split = data.draw(st.integers(0, len(whole)))
     first = hasher.hash_blocks(tokens[: split * block_size], keys)
