@@ -16,7 +16,6 @@ import asyncio
 import random
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -25,6 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from support import wait_for
 
 from kvroute.events import GPU, BlockStored
 from kvroute.hashing import BlockHasher
@@ -47,18 +47,6 @@ B = 16
 T = 30.0  # deadline of every call
 GREEDY = gen_pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``pred()`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -120,15 +108,8 @@ def router(redis_server, default_model_dir, replicas, spans, metric_reader):
 
 
 @pytest.fixture(scope="module")
-def channel(router):
-    ch = grpc.insecure_channel(router.target)
-    yield ch
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def gen(channel):
-    return gen_grpc.GenerationServiceStub(channel)
+def grpc_target(router) -> str:
+    return router.target  # conftest's channel / gen connect here
 
 
 @pytest.fixture(scope="module")
