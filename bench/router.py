@@ -9,7 +9,11 @@ in one table with a verdict per goal.
   with ``BlockIndex.add``: 64 shared documents of 8,192 tokens; each replica holds a random-length
   prefix (0-512 blocks) of 16 of them, plus random blocks up to 1M/64 entries. Each request is
   a random document's first 8,176 tokens plus 16 fresh ones (512 blocks, the last one new), so
-  lookups walk long shared chains. Goal: p50 <= 0.5 ms, p99 <= 2 ms.
+  lookups walk long shared chains. Goal: p50 <= 0.5 ms, p99 <= 2 ms, for the router as it runs:
+  with its hash memo (``--hash-memo-blocks``, kvroute.hashing.HashChainMemo), which hashes a
+  document's blocks once and then only each prompt's new last block. The same decisions with the
+  memo off (every block of every prompt hashed, as for prompts never seen) and with xxhash_cbor are
+  printed for reference.
 - **event ingest**, in block hashes per second on one core: through the consumer's apply path
   (``EventConsumer._apply``: protobuf decode of a ``KVEventBatch`` + the index calls under the
   index lock; batches of one ``BlockStored`` of 64 blocks with their token ids, as replicas publish
@@ -87,6 +91,7 @@ from router.load import LoadTracker  # noqa: E402
 from router.proxy import GENERATION_SERVICE  # noqa: E402
 from router.registry import ReplicaRegistry  # noqa: E402
 from router.scoring import make_policy  # noqa: E402
+from router.settings import RouterSettings  # noqa: E402
 
 B = 16
 PROMPT_TOKENS = 8192
@@ -135,7 +140,11 @@ def build_index(hasher: BlockHasher, rng: random.Random, docs_hashes: list[list[
     return index, total
 
 
-def bench_decisions(algorithm: str, n: int, rng: random.Random) -> tuple[dict[str, list[float]], int]:
+def bench_decisions(
+    algorithm: str, n: int, rng: random.Random, memo_sizes: tuple[int, ...]
+) -> tuple[dict[int, dict[str, list[float]]], int]:
+    """``n`` decisions per hash-memo size (``Router(hash_memo_blocks=...)``; 0 = every block hashed)
+    over one index. Every prompt gets a fresh last block, drawn before its timer starts."""
     hasher = BlockHasher(algorithm)
     docs = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_DOCS)]
     docs_hashes = [hasher.event_ints(d) for d in docs]
@@ -143,18 +152,23 @@ def bench_decisions(algorithm: str, n: int, rng: random.Random) -> tuple[dict[st
     registry = ReplicaRegistry(hasher.identity, "redis")
     for i in range(NUM_REPLICAS):
         registry.update_from_heartbeat(heartbeat(f"r{i:02d}", i, hasher), now=0.0)
-    router = Router(hasher, index, registry, LoadTracker(), make_policy("kvroute", seed=0))
-    prompts = [rng.choice(docs)[: PROMPT_TOKENS - B] + [rng.randrange(VOCAB) for _ in range(B)] for _ in range(64)]
-    for p in prompts[:16]:  # warm up
-        router.decide(p)
-    timings: dict[str, list[float]] = {k: [] for k in ("hash", "lookup", "score", "total", "cpu")}
-    for i in range(n):
-        c0 = time.thread_time()
-        d = router.decide(prompts[i % len(prompts)])
-        timings["cpu"].append((time.thread_time() - c0) * 1e3)
-        for k in ("hash", "lookup", "score", "total"):
-            timings[k].append(d.timings[k] * 1e3)
-    return timings, entries
+    out = {}
+    for memo_blocks in memo_sizes:
+        router = Router(hasher, index, registry, LoadTracker(), make_policy("kvroute", seed=0),
+                        hash_memo_blocks=memo_blocks)
+        timings: dict[str, list[float]] = {k: [] for k in ("hash", "lookup", "score", "total", "cpu")}
+        for i in range(-16, n):  # 16 warm-up decisions
+            prompt = rng.choice(docs)[: PROMPT_TOKENS - B] + [rng.randrange(VOCAB) for _ in range(B)]
+            c0 = time.thread_time()
+            d = router.decide(prompt)
+            cpu = (time.thread_time() - c0) * 1e3
+            if i < 0:
+                continue
+            timings["cpu"].append(cpu)
+            for k in ("hash", "lookup", "score", "total"):
+                timings[k].append(d.timings[k] * 1e3)
+        out[memo_blocks] = timings
+    return out, entries
 
 
 def bench_index_memory(rng: random.Random) -> tuple[float, int]:
@@ -392,17 +406,20 @@ def main() -> int:
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "MISS"
 
-    for algorithm in ("sha256_cbor", "xxhash_cbor") if not args.proxy_only else ():
-        timings, entries = bench_decisions(algorithm, args.decisions, rng)
-        p50, p99 = statistics.median(timings["cpu"]), pct(timings["cpu"], 0.99)
-        w50, w99 = statistics.median(timings["total"]), pct(timings["total"], 0.99)
-        parts = ", ".join(f"{k} {statistics.median(timings[k]):.3f}" for k in ("hash", "lookup", "score"))
-        goal = f"p50 <= {GOAL_P50_MS} ms, p99 <= {GOAL_P99_MS:g} ms"
-        default = algorithm == "sha256_cbor"
-        rows.append((f"decision overhead, {algorithm}{' (default)' if default else ''}",
-                     f"CPU p50 {p50:.3f} / p99 {p99:.3f} ms; wall p50 {w50:.3f} / p99 {w99:.3f} ms ({parts} ms)",
-                     goal if default else "(for reference)",
-                     verdict(p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS) if default else "-"))
+    memo_default = RouterSettings.hash_memo_blocks
+    cases = (("sha256_cbor", (0, memo_default)), ("xxhash_cbor", (0,))) if not args.proxy_only else ()
+    for algorithm, memo_sizes in cases:
+        by_memo, entries = bench_decisions(algorithm, args.decisions, rng, memo_sizes)
+        for memo_blocks, timings in by_memo.items():
+            p50, p99 = statistics.median(timings["cpu"]), pct(timings["cpu"], 0.99)
+            w50, w99 = statistics.median(timings["total"]), pct(timings["total"], 0.99)
+            parts = ", ".join(f"{k} {statistics.median(timings[k]):.3f}" for k in ("hash", "lookup", "score"))
+            default = algorithm == "sha256_cbor" and memo_blocks == memo_default
+            how = "default: hash memo on" if memo_blocks else "every block hashed (memo off)"
+            rows.append((f"decision overhead, {algorithm}, {how}",
+                         f"CPU p50 {p50:.3f} / p99 {p99:.3f} ms; wall p50 {w50:.3f} / p99 {w99:.3f} ms ({parts} ms)",
+                         f"p50 <= {GOAL_P50_MS} ms, p99 <= {GOAL_P99_MS:g} ms" if default else "(for reference)",
+                         verdict(p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS) if default else "-"))
     if not args.proxy_only:
         apply_rate, add_rate = bench_ingest(rng)
         rows.append(("event ingest, consumer apply path", f"{apply_rate / 1e6:.2f} M blocks/s",

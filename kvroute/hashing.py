@@ -313,10 +313,107 @@ class BlockHasher:
         return out
 
     def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
-        """The 64-bit keys of the full blocks of a prompt, as the router indexes them
-        (``to_event_int`` of each digest, read in one numpy pass: ~5x faster than a loop)."""
-        digests = self.hash_blocks(token_ids, keys)
-        if not digests:
+        """The 64-bit keys of the full blocks of a prompt, as the router indexes them."""
+        return event_ints_of(self.hash_blocks(token_ids, keys))
+
+
+def event_ints_of(digests: Sequence[bytes]) -> list[int]:
+    """``to_event_int`` of each digest, read in one numpy pass (~5x faster than a loop)."""
+    if not digests:
+        return []
+    words = len(digests[0]) // 8
+    return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
+
+
+class HashChainMemo:
+    """Remembers the block-hash chains of prompts seen before, so that a prompt sharing a prefix
+    with an earlier one hashes only what follows it. For the router's hot path: a prefix-aware
+    router's traffic is, by design, prompts that share prefixes (system prompts, earlier turns of a
+    conversation re-sent in full).
+
+    A trie over blocks: each node maps a block's raw token bytes (the ids as uint32, or uint64 when
+    an id needs it) to ``(digest, event int, child node)``; the root is chosen by ``cache_salt``
+    (it changes every hash of the chain). A lookup walks the trie with one slice + dict probe per
+    block (~0.2 us against ~0.5 us for building the block's CBOR input and its SHA-256) and hashes
+    the rest with :meth:`BlockHasher.hash_blocks` from the last known digest, adding it to the trie.
+    Results are exactly ``hasher.event_ints(token_ids, keys)`` (tests check it). Requests with LoRA
+    or multimodal keys bypass the memo.
+
+    Memory is bounded by ``max_blocks`` remembered blocks (~0.5 KB each: 32 MB for the default):
+    past it the whole trie is dropped and rebuilt from the next requests (simple, and cheap next to
+    an LRU's bookkeeping per block). ``max_blocks=0`` disables it. Not thread-safe: one owner (the
+    router's event loop). Measured in bench/router.py: an 8k-token prompt whose first 511 blocks
+    are remembered hashes in ~0.2 ms against ~0.44 ms with every block hashed.
+
+    Args:
+        hasher: the hasher whose chains are remembered.
+        max_blocks: at most this many blocks remembered.
+    """
+
+    def __init__(self, hasher: BlockHasher, max_blocks: int = 65536):
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks: must be >= 0, got {max_blocks}")
+        self.hasher = hasher
+        self.max_blocks = max_blocks
+        self._roots: dict[str | None, dict] = {}
+        self.size = 0  # blocks remembered
+        self.hits = 0  # blocks answered from the memo (cumulative)
+        self.misses = 0  # blocks hashed (cumulative)
+
+    def clear(self) -> None:
+        self._roots.clear()
+        self.size = 0
+
+    def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
+        """``hasher.event_ints(token_ids, keys)``, from the memo where it can.
+
+        Raises:
+            ValueError: a token id is negative or not an integer.
+        """
+        hasher = self.hasher
+        if self.max_blocks == 0 or keys.lora is not None or keys.mm_items:
+            return hasher.event_ints(token_ids, keys)
+        B = hasher.block_size
+        num_blocks = len(token_ids) // B
+        if num_blocks == 0:
             return []
-        words = len(digests[0]) // 8
-        return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
+        ids = _as_uint_array(token_ids[: num_blocks * B])
+        if ids.dtype != np.uint32 and (not ids.size or int(ids.max()) < 0x100000000):
+            ids = ids.astype(np.uint32)
+        raw = ids.tobytes()
+        step = B * ids.itemsize
+        node = self._roots.get(keys.cache_salt)
+        if node is None:
+            node = self._roots[keys.cache_salt] = {}
+        out: list[int] = []
+        parent = None
+        i = 0
+        get = node.get
+        while i < num_blocks:
+            entry = get(raw[i * step : (i + 1) * step])
+            if entry is None:
+                break
+            parent, event_int, node = entry
+            get = node.get
+            out.append(event_int)
+            i += 1
+        self.hits += i
+        if i == num_blocks:
+            return out
+        digests = hasher.hash_blocks(ids[i * B :], keys, parent=parent, start_block=i)
+        ints = event_ints_of(digests)
+        self.misses += len(digests)
+        if self.size + len(digests) > self.max_blocks:
+            self.clear()
+            node = self._roots[keys.cache_salt] = {}
+            if len(digests) > self.max_blocks or i:
+                out.extend(ints)  # the chain's head is gone with the trie: remember nothing of it
+                return out
+        for k, (digest, event_int) in enumerate(zip(digests, ints, strict=True)):
+            child: dict = {}
+            a = (i + k) * step
+            node[raw[a : a + step]] = (digest, event_int, child)
+            node = child
+        self.size += len(digests)
+        out.extend(ints)
+        return out

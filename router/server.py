@@ -137,7 +137,8 @@ class RouterServer:
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
         self.discovery = make_discovery(s, self.registry)
         self.load = LoadTracker()
-        self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
+        self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock,
+                             hash_memo_blocks=s.hash_memo_blocks)
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
             heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvroute.hashing import (
     BlockHasher,
     BlockHashKeys,
+    HashChainMemo,
     MultiModalItem,
     encode_blocks,
     to_event_int,
@@ -297,3 +298,45 @@ def test_numpy_dtypes_hash_like_lists(dtype):
     tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1] * 5
     hasher = BlockHasher(block_size=8)
     assert hasher.hash_blocks(np.array(tokens, dtype=dtype)) == ref_hashes(tokens, 8)
+
+
+@_SETTINGS
+@given(
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_blocks=st.sampled_from([0, 3, 20, 10**6]),
+    as_numpy=st.booleans(),
+    data=st.data(),
+)
+def test_hash_chain_memo_returns_exactly_the_hashers_event_ints(block_size, max_blocks, as_numpy, data):
+    """Prompts that share prefixes (drawn from a few stems), salted and not, some with ids past 2**32,
+    through a memo that clears itself when full: every answer equals the hasher's own."""
+    hasher = BlockHasher(block_size=block_size)
+    memo = HashChainMemo(hasher, max_blocks=max_blocks)
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    stems = [[rng.randrange(0, 600) for _ in range(block_size * 6)] for _ in range(3)]
+    for _ in range(data.draw(st.integers(1, 12))):
+        stem = rng.choice(stems)
+        tokens = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(0, 600) for _ in range(rng.randrange(3 * block_size))]
+        if rng.random() < 0.1:
+            tokens.append(2**40)
+        keys = BlockHashKeys(cache_salt=rng.choice([None, None, "tenant-a", "tenant-b"]))
+        if rng.random() < 0.1:
+            keys = BlockHashKeys(lora=("adapter", "/path"))
+        arg = np.array(tokens, dtype=np.uint64) if as_numpy else tokens
+        assert memo.event_ints(arg, keys) == hasher.event_ints(tokens, keys)
+        assert memo.size <= max_blocks
+
+
+def test_hash_chain_memo_hashes_only_what_follows_a_known_prefix():
+    hasher = BlockHasher(block_size=4)
+    memo = HashChainMemo(hasher)
+    first = list(range(1, 41))  # 10 blocks
+    memo.event_ints(first)
+    assert (memo.hits, memo.misses, memo.size) == (0, 10, 10)
+    second = first[:24] + [99] * 8  # 6 known blocks, then 2 new ones
+    assert memo.event_ints(second) == hasher.event_ints(second)
+    assert (memo.hits, memo.misses, memo.size) == (6, 12, 12)
+    memo.event_ints(first, BlockHashKeys(cache_salt="x"))  # another salt: another chain
+    assert (memo.hits, memo.misses) == (6, 22)
+    with pytest.raises(ValueError, match="token"):
+        memo.event_ints([1, 2, -3, 4])
