@@ -32,3 +32,60 @@ def replica_idle(rep) -> bool:
 
     load = rep.GetLoad(rep_pb.GetLoadRequest())
     return load.running == 0 and load.waiting == 0 and load.kv_usage == 0.0
+
+
+def concurrent_stream_outcomes(target: str, n: int, max_tokens: int = 4) -> dict[str, int]:
+    """Open ``n`` ReplicaService.GenerateStream calls at once against ``target`` (9-token prompts,
+    greedy, ``max_tokens``) and count the outcomes: "OK" for a stream that delivered exactly
+    ``max_tokens`` tokens and ended with FINISH_REASON_LENGTH, else the status code's name."""
+    import asyncio
+
+    import grpc
+
+    from kvroute.v1 import generation_pb2 as gen_pb
+    from kvroute.v1 import replica_pb2 as rep_pb
+    from kvroute.v1 import replica_pb2_grpc as rep_grpc
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = rep_grpc.ReplicaServiceStub(ch)
+
+            async def one(i: int) -> str:
+                req = rep_pb.ReplicaGenerateRequest(
+                    token_ids=[1 + i % 400, 2, 3, 4, 5, 6, 7, 8, 9],
+                    sampling=gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                )
+                try:
+                    deltas = [d async for d in stub.GenerateStream(req)]
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+                assert sum(len(d.token_ids) for d in deltas) == max_tokens
+                assert deltas[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+                return "OK"
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    outcomes = asyncio.run(run())
+    return {k: outcomes.count(k) for k in set(outcomes)}
+
+
+NUM_SPECIAL = 5  # the default model's special tokens are its last 5 ids: never in random prompts
+
+
+def random_tokens(n: int, seed: int, vocab: int = 529) -> list[int]:
+    """``n`` token ids drawn by torch's generator from ``seed`` (reproducible), below the default
+    model's special tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab - NUM_SPECIAL, (n,), generator=gen).tolist()
+
+
+def make_cpu_engine(model_dir, *, num_blocks: int, block_size: int = 16, **overrides):
+    """An ``LLMEngine`` on CPU with one torch thread and ``num_blocks`` KV blocks."""
+    from replica.engine.config import EngineConfig
+    from replica.engine.engine import LLMEngine
+
+    cfg = dict(device="cpu", block_size=block_size, num_blocks=num_blocks, torch_threads=1)
+    cfg.update(overrides)
+    return LLMEngine(model_dir, EngineConfig(**cfg))

@@ -4,12 +4,14 @@ of them) returns every block (DESIGN.md §3.1, §3.2)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import make_cpu_engine, random_tokens
 
-from replica.engine.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.params import FinishReason, SamplingParams
 from replica.engine.request import RequestStatus
@@ -18,18 +20,7 @@ torch.set_num_threads(1)
 
 B = 16
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-NUM_SPECIAL = 5  # the default model's special tokens are its last 5 ids
-
-
-def random_tokens(n: int, seed: int, vocab: int = 529) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(vocab - NUM_SPECIAL, (n,), generator=gen).tolist()
-
-
-def make_engine(model_dir, **overrides) -> LLMEngine:
-    cfg = dict(device="cpu", block_size=B, num_blocks=64, torch_threads=1)
-    cfg.update(overrides)
-    return LLMEngine(model_dir, EngineConfig(**cfg))
+make_engine = functools.partial(make_cpu_engine, block_size=B, num_blocks=64)
 
 
 def assert_no_blocks_held(engine: LLMEngine) -> None:

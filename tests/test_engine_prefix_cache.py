@@ -3,12 +3,14 @@ computes only its uncached tail, and DESIGN.md §3.2's seed-doc metadata example
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from support import make_cpu_engine, random_tokens
 
 import replica.engine.runner as runner_module
 from replica.attention import build_attention_metadata
-from replica.engine.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.params import SamplingParams
 
@@ -16,18 +18,7 @@ torch.set_num_threads(1)
 
 B = 16
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-NUM_SPECIAL = 5  # the default model's special tokens are its last 5 ids
-
-
-def random_tokens(n: int, seed: int, vocab: int = 529) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(vocab - NUM_SPECIAL, (n,), generator=gen).tolist()
-
-
-def make_engine(model_dir, **overrides) -> LLMEngine:
-    cfg = dict(device="cpu", block_size=B, num_blocks=96, torch_threads=1)
-    cfg.update(overrides)
-    return LLMEngine(model_dir, EngineConfig(**cfg))
+make_engine = functools.partial(make_cpu_engine, block_size=B, num_blocks=96)
 
 
 def run_one(engine: LLMEngine, prompt: list[int], max_tokens: int, rid: str) -> list[int]:

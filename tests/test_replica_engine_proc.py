@@ -18,6 +18,7 @@ import pytest
 import redis
 import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import concurrent_stream_outcomes
 from support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
@@ -29,7 +30,6 @@ from kvroute.v1 import events_pb2
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
-from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.engine.async_engine import EngineDeadError
 from replica.engine.engine_proc import ProcessLLMEngine
 from replica.engine.params import SamplingParams
@@ -234,26 +234,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(gen, rep):
 
 
 def test_concurrent_streams_over_max_waiting_get_resource_exhausted_and_nothing_else(replica, rep):
-    async def run() -> list[str]:
-        async with grpc.aio.insecure_channel(replica.target) as ch:
-            stub = rep_grpc.ReplicaServiceStub(ch)
-
-            async def one(i: int) -> str:
-                req = rep_pb.ReplicaGenerateRequest(
-                    token_ids=[1 + i % 400, 2, 3, 4, 5, 6, 7, 8, 9],
-                    sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                )
-                try:
-                    deltas = [d async for d in stub.GenerateStream(req)]
-                except grpc.aio.AioRpcError as e:
-                    return e.code().name
-                assert sum(len(d.token_ids) for d in deltas) == 4
-                return "OK"
-
-            return await asyncio.gather(*(one(i) for i in range(150)))
-
-    outcomes = asyncio.run(run())
-    counts = {k: outcomes.count(k) for k in set(outcomes)}
+    counts = concurrent_stream_outcomes(replica.target, 150)
     assert set(counts) <= {"OK", "RESOURCE_EXHAUSTED"} and counts.get("OK", 0) >= 50, counts
     wait_for(lambda: idle(rep))
 

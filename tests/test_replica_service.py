@@ -6,18 +6,15 @@ its own event-loop thread; the tests dial it like a router would.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support import concurrent_stream_outcomes, wait_for
 from support import replica_idle as idle
-from support import wait_for
 
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
-from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica
 from replica.service import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
@@ -264,27 +261,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort_and_is_idempotent(gen, r
 
 # -- admission control ---------------------------------------------------------------------------------
 def test_200_concurrent_streams_over_max_waiting_get_resource_exhausted_and_nothing_else(replica, rep):
-    async def run() -> list[str]:
-        async with grpc.aio.insecure_channel(replica.target) as ch:
-            stub = rep_grpc.ReplicaServiceStub(ch)
-
-            async def one(i: int) -> str:
-                req = rep_pb.ReplicaGenerateRequest(
-                    token_ids=[1 + i % 400, 2, 3, 4, 5, 6, 7, 8, 9],
-                    sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                )
-                try:
-                    deltas = [d async for d in stub.GenerateStream(req)]
-                except grpc.aio.AioRpcError as e:
-                    return e.code().name
-                assert sum(len(d.token_ids) for d in deltas) == 4
-                assert deltas[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
-                return "OK"
-
-            return await asyncio.gather(*(one(i) for i in range(200)))
-
-    outcomes = asyncio.run(run())
-    counts = {k: outcomes.count(k) for k in set(outcomes)}
+    counts = concurrent_stream_outcomes(replica.target, 200)
     assert set(counts) == {"OK", "RESOURCE_EXHAUSTED"}, counts
     assert counts["OK"] >= 50, counts
     wait_for(lambda: idle(rep))
