@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from kvroute.telemetry import Telemetry, setup_telemetry
@@ -66,6 +67,43 @@ async def run_until_signal(
         if own_telemetry:
             telemetry.shutdown()
 
+
+
+def run_main(
+    settings_cls: type,
+    argv: Sequence[str] | None,
+    prog: str,
+    description: str,
+    serve: Callable[[Any], Awaitable[None]],
+    what: str,
+    *,
+    check: Callable[[Any], object] | None = None,
+    plain_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """A server process's ``main``: flags (or ``KVROUTE_*``) -> ``settings_cls`` -> ``serve(settings)``
+    until a signal. Returns the exit status: 2 for a setting that does not parse or fails ``check``
+    (``prog: error: <message naming it>``), 1 when serving fails (one log line, no traceback;
+    ``plain_errors`` are logged by message alone, for errors whose message says what to do), else 0.
+    """
+    from kvroute.settings import load_settings
+
+    try:
+        settings = load_settings(settings_cls, argv, prog=prog, description=description)
+        if check is not None:
+            check(settings)
+    except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except plain_errors as e:
+        log.error("%s failed: %s", what, e)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one readable line instead of a traceback
+        log.error("%s failed: %s: %s", what, type(e).__name__, e)
+        return 1
+    return 0
 
 class BackgroundServer:
     """A server on its own event-loop thread, for synchronous callers (tests, benchmarks, an

@@ -25,7 +25,6 @@ import functools
 import inspect
 import logging
 import socket
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvroute.process import BackgroundServer, run_until_signal
+from kvroute.process import BackgroundServer, run_main, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -324,24 +323,10 @@ async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """``python -m replica`` / ``kvroute replica``: flags (or ``KVROUTE_*``) -> ReplicaSettings -> serve."""
-    from kvroute.settings import load_settings
-
-    prog = prog or "python -m replica"
-    try:
-        settings = load_settings(
-            ReplicaSettings, argv, prog=prog,
-            description="A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-        )
-    except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(serve(settings))
-    except Exception as e:  # noqa: BLE001 - one readable line instead of a traceback
-        log.error("replica failed: %s: %s", type(e).__name__, e)
-        return 1
-    return 0
+    return run_main(
+        ReplicaSettings, argv, prog or "python -m replica",
+        "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.", serve, "replica",
+    )
 
 
 __all__ = [

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
-from kvroute.process import BackgroundServer, run_until_signal
+from kvroute.process import BackgroundServer, run_main, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -257,28 +256,18 @@ async def serve(settings: RouterSettings, *, telemetry: Telemetry | None = None)
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """``python -m router`` / ``kvroute router``: flags (or ``KVROUTE_*``) -> RouterSettings -> serve."""
-    from kvroute.settings import load_settings
+    return run_main(
+        RouterSettings, argv, prog or "python -m router",
+        "A kvroute router: KV events in, prefix-aware routing decisions out, generation proxied.", serve, "router",
+        check=_check_settings, plain_errors=(ModelLoadError,),
+    )
 
-    prog = prog or "python -m router"
-    try:
-        settings = load_settings(
-            RouterSettings, argv, prog=prog,
-            description="A kvroute router: KV events in, prefix-aware routing decisions out, generation proxied.",
-        )
-        settings.weights()  # the weights' own checks, before anything starts
-    except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(serve(settings))
-    except ModelLoadError as e:  # the message says what to pass
-        log.error("router failed: %s", e)
-        return 1
-    except Exception as e:  # noqa: BLE001 - one readable line instead of a traceback
-        log.error("router failed: %s: %s", type(e).__name__, e)
-        return 1
-    return 0
+
+def _check_settings(settings: RouterSettings) -> None:
+    """What the settings' parts check themselves, before anything starts. Raises ValueError."""
+    settings.weights()
+    if settings.hash_memo_blocks < 0:
+        raise ValueError(f"hash_memo_blocks: must be >= 0, got {settings.hash_memo_blocks}")
 
 
 __all__ = ["LIVENESS", "READINESS", "BackgroundRouter", "RouterServer", "main", "make_discovery", "serve"]
