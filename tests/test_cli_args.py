@@ -3,6 +3,7 @@ exit with one readable line; the CLI stays free of torch, replica and router at 
 
 from __future__ import annotations
 
+import importlib
 import socket
 import subprocess
 import sys
@@ -108,3 +109,17 @@ def test_cli_modules_import_no_torch_replica_or_router():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        ("router", ["--hash-memo-blocks", "-1"], "hash_memo_blocks: must be >= 0"),
+        ("router", ["--prefill-tokens-per-s", "0"], "prefill_tokens_per_s: must be > 0"),
+        ("replica", ["--port", "abc"], "--port: invalid literal"),
+    ],
+)
+def test_server_mains_exit_2_naming_the_setting_before_starting(capsys, module, argv, message):
+    server = importlib.import_module(f"{module}.server")
+    assert server.main(argv) == 2
+    assert message in capsys.readouterr().err
