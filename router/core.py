@@ -58,8 +58,6 @@ class Router:
         hash_memo_blocks: int = 65536,
     ):
         self.hasher = hasher
-        if hash_memo_blocks < 0:
-            raise ValueError(f"hash_memo_blocks: must be >= 0, got {hash_memo_blocks}")
         self.memo = HashChainMemo(hasher, hash_memo_blocks)
         self.index = index
         self.index_lock = index_lock if index_lock is not None else contextlib.nullcontext()
