@@ -21,6 +21,7 @@ with hypothesis); measured in ``bench/kv_manager.py``.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -146,24 +147,55 @@ def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tup
         return b"".join(blocks), [0, *np.cumsum([len(b) for b in blocks]).tolist()]
     width = 4 if top < 0x10000 and len(array_head) <= 4 else 8
     row_dtype, heads, keeps = _ROWS[width]
-    n = n.astype(heads.dtype, copy=False)
-    cls = (n >= 24).view(np.int8) + (n >= 0x100).view(np.int8)
+    num_tokens, row_len = num_blocks * block_size, block_size + 2
+    if n.dtype != heads.dtype:
+        converted = _scratch("n", num_tokens, heads.dtype)
+        np.copyto(converted, n, casting="unsafe")  # every id fits: top < 2**32 (or 2**16 for width 4)
+        n = converted
+    cls = _scratch("cls", num_tokens, np.int8)
+    flag = _scratch("flag", num_tokens, np.int8)
+    np.greater_equal(n, 24, out=cls.view(bool))
+    np.greater_equal(n, 0x100, out=flag.view(bool))
+    cls += flag
     if width == 8:
-        cls += (n >= 0x10000).view(np.int8)
-    rows = np.empty((num_blocks, block_size + 2), dtype=row_dtype)
+        np.greater_equal(n, 0x10000, out=flag.view(bool))
+        cls += flag
+    value = _scratch("value", num_tokens, heads.dtype)
+    np.take(heads, cls, out=value, mode="clip")
+    value |= n
+    rows = _scratch("rows", num_blocks * row_len, row_dtype).reshape(num_blocks, row_len)
     rows[:, 0] = int.from_bytes(array_head, "big")
-    rows[:, 1:-1] = (n | heads.take(cls)).reshape(num_blocks, block_size)
+    rows[:, 1:-1] = value.reshape(num_blocks, block_size)
     rows[:, -1] = _NULL[0]
-    token_sizes = _CLASS_SIZE.take(cls)
-    sizes = np.empty((num_blocks, block_size + 2), dtype=np.int8)
+    sizes = _scratch("sizes", num_blocks * row_len, np.int8).reshape(num_blocks, row_len)
     sizes[:, 0] = len(array_head)
-    sizes[:, 1:-1] = token_sizes.reshape(num_blocks, block_size)
+    sizes[:, 1:-1] = _CLASS_SIZE.take(cls, mode="clip").reshape(num_blocks, block_size)
     sizes[:, -1] = 1
-    keep = keeps.take(sizes).view(bool).ravel()
-    buf = np.compress(keep, rows.view(np.uint8)).tobytes()
-    ends = np.cumsum(token_sizes, dtype=np.int64)[block_size - 1 :: block_size]
-    ends += np.arange(1, num_blocks + 1, dtype=np.int64) * (len(array_head) + 1)
-    return buf, [0, *ends.tolist()]
+    keep = _scratch("keep", num_blocks * row_len, keeps.dtype)
+    np.take(keeps, sizes.ravel(), out=keep, mode="clip")
+    csum = _scratch("csum", num_blocks * row_len, np.int64)
+    np.cumsum(sizes.ravel(), dtype=np.int64, out=csum)
+    ends = csum[row_len - 1 :: row_len]
+    buf = _scratch("buf", int(ends[-1]), np.uint8)
+    np.compress(keep.view(bool), rows.view(np.uint8).ravel(), out=buf)
+    return buf.tobytes(), [0, *ends.tolist()]
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, size: int, dtype: np.dtype | type) -> np.ndarray:
+    """A 1-D array of ``size`` items of ``dtype``, in a per-thread buffer reused from call to call
+    (grown on demand). ``encode_blocks`` writes every temporary into these: fresh temporaries of
+    ~10-70 KB each were measured to cost 2.5x (8k tokens: 0.32 vs 0.13 ms) in processes whose heap
+    top glibc trims and regrows on every call (any process that imported the protobuf modules)."""
+    dtype = np.dtype(dtype)
+    need = size * dtype.itemsize
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.nbytes < need:
+        buf = np.empty(max(need, 2 * (0 if buf is None else buf.nbytes), 64), dtype=np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf[:need].view(dtype)
 
 
 @dataclass(frozen=True)
