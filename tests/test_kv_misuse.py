@@ -161,6 +161,25 @@ def test_token_outside_vocabulary_is_rejected_naming_the_id(mgr, bad):
     assert mgr.take_events() == []
 
 
+def test_another_requests_lookup_does_not_vouch_for_these_ids(mgr):
+    """allocate_slots skips ids that get_computed_blocks already checked, but only for that request."""
+    good = SimpleKVRequest("good", [301, 302, 303, 304, 305, 306, 307])
+    computed = mgr.get_computed_blocks(good)
+    assert computed.num_computed_tokens == 0
+    bad = SimpleKVRequest("bad", [301, 302, 303, 304, 305, 1000, 307])
+    before = state(mgr)
+    with pytest.raises(KVCacheError, match="token id 1000"):
+        mgr.allocate_slots(bad, 7, 0, computed)
+    assert state(mgr) == before
+
+
+@pytest.mark.parametrize("bad", [2.5, "7", None])
+def test_non_integer_token_ids_are_rejected(mgr, bad):
+    req = SimpleKVRequest("odd", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, bad])
+    with pytest.raises(KVCacheError, match="must be integers"):
+        mgr.get_computed_blocks(req)
+
+
 def test_decoded_token_outside_vocabulary_is_rejected(mgr):
     req = running_req(mgr)
     req.append_output_token_ids(1000)
