@@ -136,7 +136,8 @@ def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tup
     num_blocks = len(token_ids) // block_size
     if num_blocks == 0:
         return b"", [0]
-    n = _as_uint_array(token_ids[: num_blocks * block_size])
+    num_tokens = num_blocks * block_size
+    n = _as_uint_array(token_ids if len(token_ids) == num_tokens else token_ids[:num_tokens])
     array_head = _cbor_head(4, block_size)
     top = int(n.max())
     if top >= 0x100000000 or len(array_head) > 8:
@@ -147,7 +148,7 @@ def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tup
         return b"".join(blocks), [0, *np.cumsum([len(b) for b in blocks]).tolist()]
     width = 4 if top < 0x10000 and len(array_head) <= 4 else 8
     row_dtype, heads, keeps = _ROWS[width]
-    num_tokens, row_len = num_blocks * block_size, block_size + 2
+    row_len = block_size + 2
     if n.dtype != heads.dtype:
         converted = _scratch("n", num_tokens, heads.dtype)
         np.copyto(converted, n, casting="unsafe")  # every id fits: top < 2**32 (or 2**16 for width 4)
