@@ -60,8 +60,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from kvroute.cluster import wait_serving  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
@@ -242,21 +242,8 @@ def start_replica_process(
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     target = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(target) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"replica exited: {proc.stderr.read()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1).status == 1:
-                    return proc, target
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("replica not ready within 120 s")
-            time.sleep(0.1)
+    wait_serving(target, proc, "replica", details=lambda: proc.stderr.read() if proc.poll() is not None else "")
+    return proc, target
 
 
 def main() -> int:

@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from kvroute.cluster import wait_serving  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
@@ -209,21 +210,8 @@ def bench_ingest(rng: random.Random, total_blocks: int = 1_000_000, per_event: i
 def start(args: list[str], target: str, what: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    with grpc.insecure_channel(target) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited:\n{log.read_text()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1).status == 1:
-                    return proc
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"{what} not ready within 120 s:\n{log.read_text()}")
-            time.sleep(0.1)
+    wait_serving(target, proc, what, details=log.read_text)
+    return proc
 
 
 # Bare pass-through designs (``--passthrough PORT UPSTREAM VARIANT``): the floor of each kind of Python

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +203,28 @@ def _health(stub: health_pb2_grpc.HealthStub, service: str = "readiness") -> int
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status
     except grpc.RpcError:
         return None
+
+
+def wait_serving(target: str, proc: subprocess.Popen, what: str, timeout: float = 120.0,
+                 details: Callable[[], str] = lambda: "") -> None:
+    """Poll ``target``'s grpc.health.v1 ``readiness`` until SERVING (one child process; ``LocalCluster``
+    waits for several at once).
+
+    Raises:
+        RuntimeError: ``proc`` exited first, or ``timeout`` seconds passed (then ``proc`` is killed);
+            the message ends with ``details()`` (e.g. the child's log).
+    """
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while _health(stub) != _SERVING:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {proc.returncode}:\n{details()}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{what} not ready within {timeout:.0f} s:\n{details()}")
+            time.sleep(_POLL_S)
 
 
 class LocalCluster:
