@@ -103,13 +103,7 @@ class LoadTracker:
 
     def totals(self, replica_id: str) -> tuple[int, int]:
         """(in_flight, pending_prefill_tokens) for ``replica_id`` over every router."""
-        with self._lock:
-            f, p = self._in_flight[replica_id], self._pending[replica_id]
-            for counts in self._remote.values():
-                rf, rp = counts.get(replica_id, (0, 0))
-                f += rf
-                p += rp
-            return f, p
+        return self.totals_of((replica_id,))[replica_id]
 
 
 class RedisLoadSync:
