@@ -13,7 +13,8 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# setup.py builds the one C extension (kvroute/_hashchain.c, optional: see README "Block hashing").
+$(STAMP): pyproject.toml setup.py kvroute/_hashchain.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -44,4 +45,4 @@ bench: venv
 	$(PY) bench/kv_manager.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kvroute/_hashchain*.so

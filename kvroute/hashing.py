@@ -11,11 +11,18 @@ tuple of tagged keys or ``None``: ``("lora", name, path)`` on every block of a L
 ``("cache_salt", salt)`` on block 0 only, in that order. The chain carries full digests; the index
 key and event value is the digest's last 8 bytes as a big-endian unsigned 64-bit int.
 
-Fast path: instead of building a Python tuple per block and running ``cbor2.dumps`` on it, the CBOR
-encoding of every token of the prompt is produced in one vectorised numpy pass, and each block's
-hash input is assembled as ``0x83 | bytes-header | parent | array-header | token bytes | extra``.
-The bytes are identical to ``cbor2.dumps((parent, tokens, extra), canonical=True)`` (tests check it
-with hypothesis); measured in ``bench/kv_manager.py``.
+Fast paths, all producing the bytes of ``cbor2.dumps((parent, tokens, extra), canonical=True)``
+(tests check each against a plain cbor2 + hashlib loop with hypothesis; bench/kv_manager.py times
+them), best first:
+
+- ``libcrypto``: the compiled chain (``kvroute/_hashchain.c``, built by ``pip install``) encodes each
+  block into one reused buffer and digests it with OpenSSL's SHA-256, the libcrypto CPython's
+  hashlib already loaded (sha256_cbor only).
+- ``c``: the same compiled chain calling the Python-level digest (xxhash's XXH3-128, or hashlib's
+  SHA-256 when libcrypto's SHA256_* symbols cannot be found).
+- ``numpy``: no compiler at install time. The CBOR encoding of every token of the prompt is produced
+  in one vectorised numpy pass, and each block's input is assembled as
+  ``0x83 | bytes-header | parent | array-header | token bytes | extra`` for hashlib / xxhash.
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ import cbor2
 import numpy as np
 import xxhash
 
+try:
+    from kvroute import _hashchain
+except ImportError:  # built without a C compiler: the numpy path
+    _hashchain = None
+
 HashAlgorithm = Literal["sha256_cbor", "xxhash_cbor"]
 HASH_ALGORITHMS: tuple[str, ...] = ("sha256_cbor", "xxhash_cbor")
 DEFAULT_SEED = "vllm-none-hash"
@@ -44,6 +56,34 @@ def _sha256(data: bytes) -> bytes:
 
 
 _DIGESTS = {"sha256_cbor": _sha256, "xxhash_cbor": xxhash.xxh3_128_digest}
+IMPLEMENTATIONS: tuple[str, ...] = ("libcrypto", "c", "numpy")
+
+
+def _load_libcrypto() -> bool:
+    """Point the compiled chain at the libcrypto that hashlib loaded (its path from /proc/self/maps),
+    else at the usual sonames. True when SHA256_Init/Update/Final were found and pass the FIPS
+    180-2 vector (checked in C)."""
+    if _hashchain is None:
+        return False
+    import _hashlib  # noqa: F401  (loads libcrypto into the process)
+
+    candidates: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            candidates = [line.split()[-1] for line in maps if "libcrypto" in line]
+    except OSError:
+        pass
+    candidates += ["libcrypto.so.3", "libcrypto.so.1.1"]
+    return any(_hashchain.load_sha256(path) for path in dict.fromkeys(candidates))
+
+
+_HAVE_LIBCRYPTO = _load_libcrypto()
+
+
+def available_implementations(algorithm: str = "sha256_cbor") -> list[str]:
+    """The fast paths this install can run for ``algorithm``, best first (see the module doc)."""
+    out = ["libcrypto"] if algorithm == "sha256_cbor" and _HAVE_LIBCRYPTO else []
+    return [*out, *(["c"] if _hashchain is not None else []), "numpy"]
 
 
 def to_event_int(digest: bytes) -> int:
@@ -107,6 +147,32 @@ def _as_uint_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return np.asarray(token_ids, dtype=np.uint64)
     except OverflowError as e:
         raise ValueError("token_ids: ids must be integers in [0, 2**64)") from e
+
+
+def _as_chain_ids(token_ids: Sequence[int] | np.ndarray) -> array | np.ndarray:
+    """Token ids as a C-contiguous buffer of unsigned ints for ``_hashchain.chain`` (no copy for
+    unsigned numpy arrays; a list becomes an ``array('I')``, or ``array('Q')`` past 2**32).
+
+    Raises:
+        ValueError: a negative or non-integer id, or one of 2**64 or more.
+    """
+    if isinstance(token_ids, np.ndarray):
+        arr = np.ascontiguousarray(token_ids.ravel())
+        if arr.dtype.kind == "u" and arr.dtype.isnative:
+            return arr
+        return _as_uint_array(arr)  # validates (dtype, negatives), then uint64
+    try:
+        return array("I", token_ids)
+    except OverflowError:
+        pass
+    except TypeError as e:
+        raise ValueError(f"token_ids: expected integers ({e})") from e
+    try:
+        return array("Q", token_ids)
+    except OverflowError as e:
+        raise ValueError("token_ids: ids must be integers in [0, 2**64)") from e
+    except TypeError as e:
+        raise ValueError(f"token_ids: expected integers ({e})") from e
 
 
 def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tuple[bytes, list[int]]:
@@ -243,8 +309,16 @@ class BlockHasher:
     The triple is part of every replica heartbeat; a router refuses replicas whose triple differs
     (``identity``). Digests are ``bytes`` (32 for sha256_cbor, 16 for xxhash_cbor).
 
+    Args:
+        algorithm: ``"sha256_cbor"`` or ``"xxhash_cbor"``.
+        seed: the NONE_HASH seed string.
+        block_size: tokens per block.
+        implementation: one of :data:`IMPLEMENTATIONS` (same bytes, different speed); None picks the
+            best this install has (``available_implementations``).
+
     Raises:
-        ValueError: unknown algorithm, empty seed or block_size < 1.
+        ValueError: unknown algorithm, empty seed, block_size < 1, or an implementation this install
+            lacks.
     """
 
     # Prompts of fewer full blocks than this are encoded block by block with cbor2: for a handful of
@@ -253,7 +327,13 @@ class BlockHasher:
     # with numpy; 16 blocks 35 / 60 against 32 / 130; 64 blocks 140 / 174 against 69 / 186.
     short_prompt_blocks = 16
 
-    def __init__(self, algorithm: str = "sha256_cbor", seed: str = DEFAULT_SEED, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(
+        self,
+        algorithm: str = "sha256_cbor",
+        seed: str = DEFAULT_SEED,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        implementation: str | None = None,
+    ):
         if algorithm not in _DIGESTS:
             raise ValueError(f"hash_algorithm: unknown {algorithm!r}; expected one of {HASH_ALGORITHMS}")
         if not isinstance(seed, str) or not seed:
@@ -264,6 +344,12 @@ class BlockHasher:
         self.seed = seed
         self.block_size = block_size
         self._digest = _DIGESTS[algorithm]
+        available = available_implementations(algorithm)
+        if implementation is not None and implementation not in available:
+            raise ValueError(f"implementation: {implementation!r} is not available here; expected one of {available}")
+        self.implementation: str = implementation or available[0]
+        # What the compiled chain digests with: None = libcrypto's SHA-256 inside the C loop.
+        self._chain_digest = None if self.implementation == "libcrypto" else self._digest
         self.none_hash: bytes = self._digest(cbor2.dumps(seed, canonical=True))
         # 3-element array head + the byte-string head of a parent digest.
         self._tuple_head = b"\x83" + _cbor_head(2, len(self.none_hash))
@@ -316,6 +402,9 @@ class BlockHasher:
                 raise ValueError("parent: required when start_block > 0")
             parent = self.none_hash
         digest, pre = self._digest, self._tuple_head
+        if self.implementation != "numpy":
+            tails = None if keys.empty else self._tails(keys, start_block, num_blocks)
+            return _hashchain.chain(_as_chain_ids(token_ids), B, pre, parent, self._chain_digest, tails)
         out: list[bytes] = []
         if num_blocks < self.short_prompt_blocks:
             ids = _as_uint_array(token_ids[: num_blocks * B]).tolist()  # validates, as encode_blocks does
@@ -340,6 +429,17 @@ class BlockHasher:
             out.append(parent)
         return out
 
+    def _tails(self, keys: BlockHashKeys, start_block: int, num_blocks: int) -> list[bytes]:
+        """Per block, the canonical CBOR of its extra keys (``_NULL`` for None)."""
+        B, dumps = self.block_size, cbor2.dumps
+        if keys.lora is None and not keys.mm_items:  # only cache_salt, on block 0
+            tails = [_NULL] * num_blocks
+            if start_block == 0:
+                tails[0] = dumps(keys.extra_for_block(0, B), canonical=True)
+            return tails
+        extras = (keys.extra_for_block(start_block + i, B) for i in range(num_blocks))
+        return [_NULL if e is None else dumps(e, canonical=True) for e in extras]
+
     def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
         """The 64-bit keys of the full blocks of a prompt, as the router indexes them."""
         return event_ints_of(self.hash_blocks(token_ids, keys))
@@ -352,96 +452,3 @@ def event_ints_of(digests: Sequence[bytes]) -> list[int]:
     words = len(digests[0]) // 8
     return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
 
-
-class HashChainMemo:
-    """Remembers the block-hash chains of prompts seen before, so that a prompt sharing a prefix
-    with an earlier one hashes only what follows it. For the router's hot path: a prefix-aware
-    router's traffic is, by design, prompts that share prefixes (system prompts, earlier turns of a
-    conversation re-sent in full).
-
-    A trie over blocks: each node maps a block's raw token bytes (the ids as uint32, or uint64 when
-    an id needs it) to ``(digest, event int, child node)``; the root is chosen by ``cache_salt``
-    (it changes every hash of the chain). A lookup walks the trie with one slice + dict probe per
-    block (~0.2 us against ~0.5 us for building the block's CBOR input and its SHA-256) and hashes
-    the rest with :meth:`BlockHasher.hash_blocks` from the last known digest, adding it to the trie.
-    Results are exactly ``hasher.event_ints(token_ids, keys)`` (tests check it). Requests with LoRA
-    or multimodal keys bypass the memo.
-
-    Memory is bounded by ``max_blocks`` remembered blocks (~0.5 KB each: 32 MB for the default):
-    past it the whole trie is dropped and rebuilt from the next requests (simple, and cheap next to
-    an LRU's bookkeeping per block). ``max_blocks=0`` disables it. Not thread-safe: one owner (the
-    router's event loop). Measured in bench/router.py: an 8k-token prompt whose first 511 blocks
-    are remembered hashes in ~0.2 ms against ~0.44 ms with every block hashed.
-
-    Args:
-        hasher: the hasher whose chains are remembered.
-        max_blocks: at most this many blocks remembered.
-    """
-
-    def __init__(self, hasher: BlockHasher, max_blocks: int = 65536):
-        if max_blocks < 0:
-            raise ValueError(f"max_blocks: must be >= 0, got {max_blocks}")
-        self.hasher = hasher
-        self.max_blocks = max_blocks
-        self._roots: dict[str | None, dict] = {}
-        self.size = 0  # blocks remembered
-        self.hits = 0  # blocks answered from the memo (cumulative)
-        self.misses = 0  # blocks hashed (cumulative)
-
-    def clear(self) -> None:
-        self._roots.clear()
-        self.size = 0
-
-    def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
-        """``hasher.event_ints(token_ids, keys)``, from the memo where it can.
-
-        Raises:
-            ValueError: a token id is negative or not an integer.
-        """
-        hasher = self.hasher
-        if self.max_blocks == 0 or keys.lora is not None or keys.mm_items:
-            return hasher.event_ints(token_ids, keys)
-        B = hasher.block_size
-        num_blocks = len(token_ids) // B
-        if num_blocks == 0:
-            return []
-        ids = _as_uint_array(token_ids[: num_blocks * B])
-        if ids.dtype != np.uint32 and (not ids.size or int(ids.max()) < 0x100000000):
-            ids = ids.astype(np.uint32)
-        raw = ids.tobytes()
-        step = B * ids.itemsize
-        node = self._roots.get(keys.cache_salt)
-        if node is None:
-            node = self._roots[keys.cache_salt] = {}
-        out: list[int] = []
-        parent = None
-        i = 0
-        get = node.get
-        while i < num_blocks:
-            entry = get(raw[i * step : (i + 1) * step])
-            if entry is None:
-                break
-            parent, event_int, node = entry
-            get = node.get
-            out.append(event_int)
-            i += 1
-        self.hits += i
-        if i == num_blocks:
-            return out
-        digests = hasher.hash_blocks(ids[i * B :], keys, parent=parent, start_block=i)
-        ints = event_ints_of(digests)
-        self.misses += len(digests)
-        if self.size + len(digests) > self.max_blocks:
-            self.clear()
-            node = self._roots[keys.cache_salt] = {}
-            if len(digests) > self.max_blocks or i:
-                out.extend(ints)  # the chain's head is gone with the trie: remember nothing of it
-                return out
-        for k, (digest, event_int) in enumerate(zip(digests, ints, strict=True)):
-            child: dict = {}
-            a = (i + k) * step
-            node[raw[a : a + step]] = (digest, event_int, child)
-            node = child
-        self.size += len(digests)
-        out.extend(ints)
-        return out

@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys, HashChainMemo
+from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
 from router.registry import ReplicaInfo, ReplicaRegistry
@@ -41,10 +41,8 @@ class Router:
     """Owns the decision path. ``policy`` can be switched at run time (``set_policy``).
 
     ``index_lock`` is the lock the event consumer holds while it writes the index (its own thread);
-    lookups and speculative writes take it too. Prompts are hashed through a
-    :class:`~kvroute.hashing.HashChainMemo` of ``hash_memo_blocks`` blocks (0 = off), so a prompt
-    sharing a prefix with an earlier one hashes only the rest. ``decide`` runs on one thread (the
-    server's event loop).
+    lookups and speculative writes take it too. ``decide`` runs on one thread (the server's event
+    loop).
     """
 
     def __init__(
@@ -55,10 +53,8 @@ class Router:
         load: LoadTracker,
         policy: Policy,
         index_lock: threading.Lock | None = None,
-        hash_memo_blocks: int = 65536,
     ):
         self.hasher = hasher
-        self.memo = HashChainMemo(hasher, hash_memo_blocks)
         self.index = index
         self.index_lock = index_lock if index_lock is not None else contextlib.nullcontext()
         self.registry = registry
@@ -78,7 +74,7 @@ class Router:
         """
         t0 = time.perf_counter()
         keys = BlockHashKeys(cache_salt=cache_salt) if cache_salt else NO_KEYS
-        hashes = self.memo.event_ints(token_ids, keys)
+        hashes = self.hasher.event_ints(token_ids, keys)
         t1 = time.perf_counter()
         replicas = {r.replica_id: r for r in self.registry.routable() if r.replica_id not in exclude}
         with self.index_lock:

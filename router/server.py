@@ -136,8 +136,7 @@ class RouterServer:
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
         self.discovery = make_discovery(s, self.registry)
         self.load = LoadTracker()
-        self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock,
-                             hash_memo_blocks=s.hash_memo_blocks)
+        self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
             heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
@@ -266,8 +265,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 def _check_settings(settings: RouterSettings) -> None:
     """What the settings' parts check themselves, before anything starts. Raises ValueError."""
     settings.weights()
-    if settings.hash_memo_blocks < 0:
-        raise ValueError(f"hash_memo_blocks: must be >= 0, got {settings.hash_memo_blocks}")
 
 
 __all__ = ["LIVENESS", "READINESS", "BackgroundRouter", "RouterServer", "main", "make_discovery", "serve"]

@@ -46,9 +46,6 @@ class RouterSettings:
     kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
     in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
     speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
-    hash_memo_blocks: int = setting(
-        65536, "block hashes of recent prompts remembered, so a shared prefix is hashed once (~0.5 KB each; 0 = off)"
-    )
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
     load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
     max_retries: int = setting(2, "other replicas tried when one fails before the first token")

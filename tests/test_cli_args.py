@@ -114,7 +114,6 @@ def test_cli_modules_import_no_torch_replica_or_router():
 @pytest.mark.parametrize(
     ("module", "argv", "message"),
     [
-        ("router", ["--hash-memo-blocks", "-1"], "hash_memo_blocks: must be >= 0"),
         ("router", ["--prefill-tokens-per-s", "0"], "prefill_tokens_per_s: must be > 0"),
         ("replica", ["--port", "abc"], "--port: invalid literal"),
     ],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
 import struct
 
 import cbor2
@@ -19,13 +20,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.hashing import (
+    IMPLEMENTATIONS,
     BlockHasher,
     BlockHashKeys,
-    HashChainMemo,
     MultiModalItem,
+    available_implementations,
     encode_blocks,
     to_event_int,
 )
+
+# Every path hash_blocks can take here: the compiled chain with libcrypto's SHA-256 or with the
+# Python-level digest, numpy, and numpy's short-prompt branch (block by block with cbor2).
+PATHS = [*available_implementations("sha256_cbor"), "cbor2"]
+
+
+def make_hasher(path: str, algorithm: str = "sha256_cbor", seed: str = "vllm-none-hash", block_size: int = 16):
+    """A hasher forced onto ``path`` (libcrypto exists for sha256_cbor only: xxhash takes "c")."""
+    if path == "libcrypto" and algorithm != "sha256_cbor":
+        path = "c"
+    hasher = BlockHasher(algorithm, seed, block_size, implementation="numpy" if path == "cbor2" else path)
+    hasher.short_prompt_blocks = 10**9 if path == "cbor2" else 0
+    return hasher
 
 # -- the reference ------------------------------------------------------------------------------
 
@@ -148,17 +163,58 @@ def test_cache_salt_only_changes_block_0_input_but_the_whole_chain():
     [[1, 2, -1, 4], np.array([1, 2, -1, 4], dtype=np.int64), [1, 2, 3, 2**64], [1, 2.5, 3, 4]],
     ids=["negative-list", "negative-numpy", "too-big", "float"],
 )
-@pytest.mark.parametrize("short_prompt_blocks", [0, 16], ids=["numpy", "cbor2"])
-def test_invalid_token_ids_raise_value_error(tokens, short_prompt_blocks):
-    hasher = BlockHasher(block_size=4)
-    hasher.short_prompt_blocks = short_prompt_blocks
+@pytest.mark.parametrize("path", PATHS)
+def test_invalid_token_ids_raise_value_error(tokens, path):
     with pytest.raises(ValueError, match="token"):
-        hasher.hash_blocks(tokens)
+        make_hasher(path, block_size=4).hash_blocks(tokens)
 
 
-def test_float_numpy_tokens_raise_value_error():
+@pytest.mark.parametrize("path", PATHS)
+def test_float_numpy_tokens_raise_value_error(path):
     with pytest.raises(ValueError, match="integers"):
-        BlockHasher(block_size=2).hash_blocks(np.array([1.0, 2.0]))
+        make_hasher(path, block_size=2).hash_blocks(np.array([1.0, 2.0]))
+
+
+def test_the_compiled_chain_is_built_where_a_c_compiler_is():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: kvroute._hashchain is optional and the numpy path runs")
+    assert "c" in available_implementations("xxhash_cbor"), "pip install did not build kvroute._hashchain"
+    assert BlockHasher().implementation == available_implementations()[0]
+
+
+def test_unavailable_or_unknown_implementation_raises():
+    with pytest.raises(ValueError, match="implementation"):
+        BlockHasher("xxhash_cbor", implementation="libcrypto")
+    with pytest.raises(ValueError, match="implementation"):
+        BlockHasher(implementation="rust")
+    assert set(available_implementations()) <= set(IMPLEMENTATIONS)
+
+
+@pytest.mark.skipif("c" not in available_implementations(), reason="kvroute._hashchain not built")
+def test_compiled_chain_rejects_bad_arguments_with_the_field_named():
+    from array import array
+
+    from kvroute import _hashchain
+
+    head, parent = b"\x83\x58\x20", bytes(32)
+    sha = _REF_DIGEST["sha256_cbor"]
+    with pytest.raises(ValueError, match="ids"):
+        _hashchain.chain(array("i", [1, 2]), 2, head, parent, sha)  # signed ints
+    with pytest.raises(ValueError, match="block_size"):
+        _hashchain.chain(array("I", [1, 2]), 0, head, parent, sha)
+    with pytest.raises(ValueError, match="tails"):
+        _hashchain.chain(array("I", [1, 2, 3, 4]), 2, head, parent, sha, [b"\xf6"])
+    with pytest.raises(TypeError, match="tails"):
+        _hashchain.chain(array("I", [1, 2]), 2, head, parent, sha, ["x"])
+    with pytest.raises(ValueError, match="digest"):
+        _hashchain.chain(array("I", [1, 2]), 2, head, parent, lambda b: b"short")
+    with pytest.raises(TypeError, match="digest"):
+        _hashchain.chain(array("I", [1, 2]), 2, head, parent, 3)
+    with pytest.raises(ZeroDivisionError):  # the digest's own error passes through
+        _hashchain.chain(array("I", [1, 2]), 2, head, parent, lambda b: 1 / 0)
+    assert _hashchain.chain(array("I", [1, 2, 3]), 2, head, parent, sha) == [
+        sha(cbor2.dumps((parent, (1, 2), None), canonical=True))
+    ]
 
 
 def test_parent_required_when_start_block_positive():
@@ -245,14 +301,13 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
     algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     seed=st.text(min_size=1, max_size=20),
     as_numpy=st.booleans(),
-    short_path=st.booleans(),
+    path=st.sampled_from(PATHS),
     data=st.data(),
 )
-def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, as_numpy, short_path, data):
+def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, as_numpy, path, data):
     block_size, tokens, big = prompt
     spec = data.draw(st.none() | hash_keys(len(tokens)))
-    hasher = BlockHasher(algorithm, seed=seed, block_size=block_size)
-    hasher.short_prompt_blocks = 10**9 if short_path else 0  # block by block with cbor2, or numpy
+    hasher = make_hasher(path, algorithm, seed, block_size)
     expected = ref_hashes(tokens, block_size, seed, algorithm, **(spec or {}))
     arg = np.array(tokens, dtype=np.uint64) if as_numpy else tokens
     got = hasher.hash_blocks(arg, _keys(spec)) if spec else hasher.hash_blocks(arg)
@@ -268,8 +323,10 @@ def test_hashing_in_two_pieces_equals_hashing_whole(prompt, data):
     block_size, tokens, _ = prompt
     spec = data.draw(st.none() | hash_keys(len(tokens)))
     keys = _keys(spec) if spec else BlockHashKeys()
-    hasher = BlockHasher(data.draw(st.sampled_from(["sha256_cbor", "xxhash_cbor"])), block_size=block_size)
-    hasher.short_prompt_blocks = data.draw(st.sampled_from([0, 3, 10**9]))
+    path = data.draw(st.sampled_from(PATHS))
+    hasher = make_hasher(path, data.draw(st.sampled_from(["sha256_cbor", "xxhash_cbor"])), block_size=block_size)
+    if path == "numpy":
+        hasher.short_prompt_blocks = data.draw(st.sampled_from([0, 3]))
     whole = hasher.hash_blocks(tokens, keys)
     split = data.draw(st.integers(0, len(whole)))
     first = hasher.hash_blocks(tokens[: split * block_size], keys)
@@ -293,50 +350,10 @@ def test_encode_blocks_bytes_equal_cbor2_tuple_encoding(prompt, parent):
         )
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.uint64])
-def test_numpy_dtypes_hash_like_lists(dtype):
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64])
+def test_numpy_dtypes_hash_like_lists(dtype, path):
     tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1] * 5
-    hasher = BlockHasher(block_size=8)
+    tokens = [t for t in tokens if t <= np.iinfo(dtype).max] * 2
+    hasher = make_hasher(path, block_size=8)
     assert hasher.hash_blocks(np.array(tokens, dtype=dtype)) == ref_hashes(tokens, 8)
-
-
-@_SETTINGS
-@given(
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    max_blocks=st.sampled_from([0, 3, 20, 10**6]),
-    as_numpy=st.booleans(),
-    data=st.data(),
-)
-def test_hash_chain_memo_returns_exactly_the_hashers_event_ints(block_size, max_blocks, as_numpy, data):
-    """Prompts that share prefixes (drawn from a few stems), salted and not, some with ids past 2**32,
-    through a memo that clears itself when full: every answer equals the hasher's own."""
-    hasher = BlockHasher(block_size=block_size)
-    memo = HashChainMemo(hasher, max_blocks=max_blocks)
-    rng = random.Random(data.draw(st.integers(0, 2**32)))
-    stems = [[rng.randrange(0, 600) for _ in range(block_size * 6)] for _ in range(3)]
-    for _ in range(data.draw(st.integers(1, 12))):
-        stem = rng.choice(stems)
-        tokens = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(0, 600) for _ in range(rng.randrange(3 * block_size))]
-        if rng.random() < 0.1:
-            tokens.append(2**40)
-        keys = BlockHashKeys(cache_salt=rng.choice([None, None, "tenant-a", "tenant-b"]))
-        if rng.random() < 0.1:
-            keys = BlockHashKeys(lora=("adapter", "/path"))
-        arg = np.array(tokens, dtype=np.uint64) if as_numpy else tokens
-        assert memo.event_ints(arg, keys) == hasher.event_ints(tokens, keys)
-        assert memo.size <= max_blocks
-
-
-def test_hash_chain_memo_hashes_only_what_follows_a_known_prefix():
-    hasher = BlockHasher(block_size=4)
-    memo = HashChainMemo(hasher)
-    first = list(range(1, 41))  # 10 blocks
-    memo.event_ints(first)
-    assert (memo.hits, memo.misses, memo.size) == (0, 10, 10)
-    second = first[:24] + [99] * 8  # 6 known blocks, then 2 new ones
-    assert memo.event_ints(second) == hasher.event_ints(second)
-    assert (memo.hits, memo.misses, memo.size) == (6, 12, 12)
-    memo.event_ints(first, BlockHashKeys(cache_salt="x"))  # another salt: another chain
-    assert (memo.hits, memo.misses) == (6, 22)
-    with pytest.raises(ValueError, match="token"):
-        memo.event_ints([1, 2, -3, 4])
