@@ -112,29 +112,71 @@ static inline uint64_t read_uint(const char *base, Py_ssize_t i, Py_ssize_t item
     }
 }
 
+/* A list or tuple of ints as a fresh uint64 array of its first n items (PyMem_Free it), or NULL
+ * with ValueError naming the first bad item: not an integer, negative, or 2**64 and above. */
+static uint64_t *ids_from_sequence(PyObject *seq, Py_ssize_t n) {
+    uint64_t *out = PyMem_Malloc(n > 0 ? n * sizeof(uint64_t) : 1);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        unsigned long long v;
+        if (PyLong_Check(item)) {
+            v = PyLong_AsUnsignedLongLong(item);
+        } else {
+            PyObject *index = PyNumber_Index(item); /* numpy integer scalars */
+            if (index == NULL) {
+                PyErr_Format(PyExc_ValueError, "token_ids[%zd]: expected integers, got %.80s", i,
+                             Py_TYPE(item)->tp_name);
+                PyMem_Free(out);
+                return NULL;
+            }
+            v = PyLong_AsUnsignedLongLong(index);
+            Py_DECREF(index);
+        }
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "token_ids[%zd]: token ids must be integers in [0, 2**64)", i);
+            PyMem_Free(out);
+            return NULL;
+        }
+        out[i] = v;
+    }
+    return out;
+}
+
 PyDoc_STRVAR(chain_doc,
-"chain(ids, block_size, head, parent, digest, tails=None) -> list[bytes]\n\n"
-"Digests of the full blocks of ``ids``, chained from ``parent``.\n\n"
-"ids: a C-contiguous buffer of native unsigned ints (format B, H, I, L or Q); a trailing partial\n"
-"block is ignored. block_size: tokens per block (>= 1). head: bytes written before each parent.\n"
+"chain(ids, block_size, head, parent, digest, tails=None, event_ints=False) -> list\n\n"
+"Digests of the full blocks of ``ids``, chained from ``parent`` (or, with event_ints, each\n"
+"digest's last 8 bytes as a big-endian unsigned int: the router's index keys).\n\n"
+"ids: a list or tuple of ints, or a C-contiguous buffer of native unsigned ints (format B, H, I, L\n"
+"or Q); a trailing partial block is ignored. block_size: tokens per block (>= 1). head: bytes\n"
+"written before each parent.\n"
 "parent: the digest preceding block 0. digest: None for libcrypto's SHA-256 (HAVE_SHA256 must be\n"
 "True), else a callable bytes -> bytes returning digests of len(parent) bytes. tails: None (every\n"
 "block ends with CBOR null) or one bytes per block, the CBOR of its extra keys.\n\n"
-"Raises ValueError (bad buffer format, block_size, digest length, tails length), TypeError, and\n"
-"whatever the digest callable raises.");
+"Raises ValueError (a token id that is not an int in [0, 2**64), bad buffer format, block_size,\n"
+"digest length, tails length), TypeError, and whatever the digest callable raises.");
 
 static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"ids", "block_size", "head", "parent", "digest", "tails", NULL};
-    Py_buffer ids, head, parent0;
+    static char *kwlist[] = {"ids", "block_size", "head", "parent", "digest", "tails", "event_ints", NULL};
+    PyObject *ids_obj;
+    Py_buffer head, parent0;
     Py_ssize_t block_size;
     PyObject *digest, *tails = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*ny*y*O|O", kwlist, &ids, &block_size, &head,
-                                     &parent0, &digest, &tails))
+    int event_ints = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ony*y*O|Op", kwlist, &ids_obj, &block_size, &head, &parent0,
+                                     &digest, &tails, &event_ints))
         return NULL;
-    PyObject *out = NULL, *tails_fast = NULL;
+    PyObject *out = NULL, *tails_fast = NULL, *seq = NULL;
     unsigned char *buf = NULL;
+    uint64_t *owned = NULL; /* ids copied out of a list or tuple */
     Py_buffer typed = {0};
     int have_typed = 0;
+    const char *base;
+    Py_ssize_t itemsize, n_ids;
 
     if (block_size < 1) {
         PyErr_Format(PyExc_ValueError, "block_size: must be >= 1, got %zd", block_size);
@@ -148,22 +190,40 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_TypeError, "digest: expected None or a callable");
         goto done;
     }
-    /* Re-request the ids buffer with its format to learn the item type ("y*" gives bytes only). */
-    if (PyObject_GetBuffer(ids.obj, &typed, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    have_typed = 1;
-    const char *fmt = typed.format ? typed.format : "B";
-    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
-        fmt++;
-    if (strlen(fmt) != 1 || strchr("BHILQ", fmt[0]) == NULL ||
-        !(typed.itemsize == 1 || typed.itemsize == 2 || typed.itemsize == 4 || typed.itemsize == 8)) {
-        PyErr_Format(PyExc_ValueError, "ids: expected a buffer of unsigned ints (format B, H, I, L or Q), got %s",
-                     typed.format ? typed.format : "B");
-        goto done;
+    if (PyList_CheckExact(ids_obj) || PyTuple_CheckExact(ids_obj)) {
+        seq = PySequence_Fast(ids_obj, "ids");
+        if (seq == NULL)
+            goto done;
+        n_ids = PySequence_Fast_GET_SIZE(seq);
+        n_ids -= n_ids % block_size; /* only full blocks are read (and validated) */
+        owned = ids_from_sequence(seq, n_ids);
+        if (owned == NULL)
+            goto done;
+        base = (const char *)owned;
+        itemsize = 8;
+    } else {
+        if (PyObject_GetBuffer(ids_obj, &typed, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        have_typed = 1;
+        const char *fmt = typed.format ? typed.format : "B";
+        if (*fmt == '@' || *fmt == '=' || *fmt == '<')
+            fmt++;
+        if (strlen(fmt) != 1 || strchr("BHILQ", fmt[0]) == NULL ||
+            !(typed.itemsize == 1 || typed.itemsize == 2 || typed.itemsize == 4 || typed.itemsize == 8)) {
+            PyErr_Format(PyExc_ValueError, "ids: expected a buffer of unsigned ints (format B, H, I, L or Q), got %s",
+                         typed.format ? typed.format : "B");
+            goto done;
+        }
+        base = typed.buf;
+        itemsize = typed.itemsize;
+        n_ids = typed.len / itemsize;
     }
-    Py_ssize_t n_ids = typed.len / typed.itemsize;
     Py_ssize_t num_blocks = n_ids / block_size;
     Py_ssize_t plen = parent0.len;
+    if (event_ints && plen < 8) {
+        PyErr_SetString(PyExc_ValueError, "parent: event_ints needs digests of at least 8 bytes");
+        goto done;
+    }
     if (tails != Py_None) {
         tails_fast = PySequence_Fast(tails, "tails: expected a sequence of bytes");
         if (tails_fast == NULL)
@@ -188,18 +248,17 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
     out = PyList_New(num_blocks);
     if (buf == NULL || out == NULL) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
     memcpy(buf, head.buf, head.len);
     unsigned char *parent_at = buf + head.len;
     memcpy(parent_at, parent0.buf, plen);
     unsigned char *body = parent_at + plen;
     size_t arr = cbor_head(body, 4, (uint64_t)block_size);
-    const char *base = typed.buf;
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
         unsigned char *p = body + arr;
         for (Py_ssize_t k = 0; k < block_size; k++)
-            p += cbor_head(p, 0, read_uint(base, b * block_size + k, typed.itemsize));
+            p += cbor_head(p, 0, read_uint(base, b * block_size + k, itemsize));
         if (tails_fast) {
             PyObject *t = PySequence_Fast_GET_ITEM(tails_fast, b);
             memcpy(p, PyBytes_AS_STRING(t), PyBytes_GET_SIZE(t));
@@ -207,13 +266,9 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
         } else {
             *p++ = 0xf6;
         }
-        PyObject *d;
         if (digest == Py_None) {
-            d = PyBytes_FromStringAndSize(NULL, 32);
-            if (d == NULL)
-                goto fail;
-            if (plen != 32 || !sha256(buf, (size_t)(p - buf), (unsigned char *)PyBytes_AS_STRING(d))) {
-                Py_DECREF(d);
+            /* The digest lands straight in the next block's parent slot. */
+            if (plen != 32 || !sha256(buf, (size_t)(p - buf), parent_at)) {
                 PyErr_SetString(PyExc_ValueError, "parent: libcrypto SHA-256 failed or parent is not 32 bytes");
                 goto fail;
             }
@@ -221,7 +276,7 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
             PyObject *input = PyBytes_FromStringAndSize((const char *)buf, p - buf);
             if (input == NULL)
                 goto fail;
-            d = PyObject_CallOneArg(digest, input);
+            PyObject *d = PyObject_CallOneArg(digest, input);
             Py_DECREF(input);
             if (d == NULL)
                 goto fail;
@@ -230,19 +285,32 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
                 PyErr_Format(PyExc_ValueError, "digest: must return bytes of len(parent) = %zd", plen);
                 goto fail;
             }
+            memcpy(parent_at, PyBytes_AS_STRING(d), plen);
+            Py_DECREF(d);
         }
-        memcpy(parent_at, PyBytes_AS_STRING(d), plen);
-        PyList_SET_ITEM(out, b, d);
+        PyObject *item;
+        if (event_ints) {
+            uint64_t v = 0;
+            for (int k = 0; k < 8; k++)
+                v = (v << 8) | parent_at[plen - 8 + k];
+            item = PyLong_FromUnsignedLongLong(v);
+        } else {
+            item = PyBytes_FromStringAndSize((const char *)parent_at, plen);
+        }
+        if (item == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, b, item);
     }
     goto done;
 fail:
     Py_CLEAR(out);
 done:
     PyMem_Free(buf);
+    PyMem_Free(owned);
+    Py_XDECREF(seq);
     Py_XDECREF(tails_fast);
     if (have_typed)
         PyBuffer_Release(&typed);
-    PyBuffer_Release(&ids);
     PyBuffer_Release(&head);
     PyBuffer_Release(&parent0);
     return out;

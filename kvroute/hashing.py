@@ -403,8 +403,7 @@ class BlockHasher:
             parent = self.none_hash
         digest, pre = self._digest, self._tuple_head
         if self.implementation != "numpy":
-            tails = None if keys.empty else self._tails(keys, start_block, num_blocks)
-            return _hashchain.chain(_as_chain_ids(token_ids), B, pre, parent, self._chain_digest, tails)
+            return self._chain(token_ids, keys, parent, start_block, event_ints=False)
         out: list[bytes] = []
         if num_blocks < self.short_prompt_blocks:
             ids = _as_uint_array(token_ids[: num_blocks * B]).tolist()  # validates, as encode_blocks does
@@ -429,6 +428,14 @@ class BlockHasher:
             out.append(parent)
         return out
 
+    def _chain(
+        self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys, parent: bytes, start_block: int, event_ints: bool
+    ) -> list:
+        """The compiled chain (``kvroute/_hashchain.c``): digests, or their event ints."""
+        ids = token_ids if type(token_ids) in (list, tuple) else _as_chain_ids(token_ids)
+        tails = None if keys.empty else self._tails(keys, start_block, len(token_ids) // self.block_size)
+        return _hashchain.chain(ids, self.block_size, self._tuple_head, parent, self._chain_digest, tails, event_ints)
+
     def _tails(self, keys: BlockHashKeys, start_block: int, num_blocks: int) -> list[bytes]:
         """Per block, the canonical CBOR of its extra keys (``_NULL`` for None)."""
         B, dumps = self.block_size, cbor2.dumps
@@ -441,7 +448,13 @@ class BlockHasher:
         return [_NULL if e is None else dumps(e, canonical=True) for e in extras]
 
     def event_ints(self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys = NO_KEYS) -> list[int]:
-        """The 64-bit keys of the full blocks of a prompt, as the router indexes them."""
+        """The 64-bit keys of the full blocks of a prompt, as the router indexes them.
+
+        Raises:
+            ValueError: a token id is negative or not an integer.
+        """
+        if self.implementation != "numpy" and len(token_ids) >= self.block_size:
+            return self._chain(token_ids, keys, self.none_hash, 0, event_ints=True)
         return event_ints_of(self.hash_blocks(token_ids, keys))
 
 

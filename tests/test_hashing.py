@@ -300,16 +300,21 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
     prompt=prompts(),
     algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     seed=st.text(min_size=1, max_size=20),
-    as_numpy=st.booleans(),
+    container=st.sampled_from(["list", "tuple", "numpy", "list of numpy ints"]),
     path=st.sampled_from(PATHS),
     data=st.data(),
 )
-def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, as_numpy, path, data):
+def test_fast_path_equals_plain_cbor_reference(prompt, algorithm, seed, container, path, data):
     block_size, tokens, big = prompt
     spec = data.draw(st.none() | hash_keys(len(tokens)))
     hasher = make_hasher(path, algorithm, seed, block_size)
     expected = ref_hashes(tokens, block_size, seed, algorithm, **(spec or {}))
-    arg = np.array(tokens, dtype=np.uint64) if as_numpy else tokens
+    arg = {
+        "list": tokens,
+        "tuple": tuple(tokens),
+        "numpy": np.array(tokens, dtype=np.uint64),
+        "list of numpy ints": list(np.array(tokens, dtype=np.uint64)),
+    }[container]
     got = hasher.hash_blocks(arg, _keys(spec)) if spec else hasher.hash_blocks(arg)
     assert got == expected
     assert (hasher.event_ints(arg, _keys(spec)) if spec else hasher.event_ints(arg)) == [
