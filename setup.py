@@ -1,7 +1,11 @@
-"""Build hook for the one compiled module, kvroute._hashchain (the block-hash chain, DESIGN.md §2).
+"""Build hook for the two compiled modules; everything else is in pyproject.toml.
 
-Everything else is in pyproject.toml. The extension is optional: without a C compiler or the Python
-headers the install still succeeds and kvroute.hashing uses its numpy path (same bytes, slower).
+- kvroute._hashchain: the block-hash chain (DESIGN.md §2), for router and replicas.
+- replica.attention._cpu_paged: paged decode attention on the CPU, K/V read in place.
+
+Both are optional: without a C compiler or the Python headers the install still succeeds, and
+kvroute.hashing uses its numpy path, the torch attention backend its gather + SDPA path (same
+results, slower).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +18,13 @@ setup(
             libraries=["dl"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "replica.attention._cpu_paged",
+            sources=["replica/attention/_cpu_paged.c"],
+            libraries=["m"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -19,6 +19,19 @@ from replica.attention import (
 
 SENTINEL = 7.0
 
+import replica.attention.torch_backend as torch_backend  # noqa: E402
+
+DECODE_PATHS = ["gather", "cpu_kernel"] if torch_backend._cpu_paged is not None else ["gather"]
+
+
+@pytest.fixture(autouse=True, params=DECODE_PATHS)
+def decode_path(request, monkeypatch):
+    """Every test runs on both CPU decode paths: gather + SDPA, and the compiled paged kernel
+    (replica/attention/_cpu_paged.c) when it was built."""
+    if request.param == "gather":
+        monkeypatch.setattr(torch_backend, "_cpu_paged", None)
+    return request.param
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -29,7 +42,9 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float
+) -> torch.Tensor:
     """q [L, H, D] at positions first_pos.., k/v [S, Hkv, D] contiguous; float64 loops."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -79,7 +94,9 @@ def run_case(
         queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype))
         new_k.append(k[ctx:])
         new_v.append(v[ctx:])
-    md, _ = build_attention_metadata([q for q, _ in requests], [s for _, s in requests], tables, block_size, pad_to)
+    md, _ = build_attention_metadata(
+        [q for q, _ in requests], [s for _, s in requests], tables, block_size, pad_to
+    )
     num_pad = md.num_tokens - md.num_actual_tokens
     q = torch.cat([*queries, torch.full((num_pad, num_heads, head_dim), 3.0, dtype=dtype)])
     k = torch.cat([*new_k, torch.full((num_pad, num_kv_heads, head_dim), -5.0, dtype=dtype)])
@@ -284,3 +301,52 @@ def test_pure_decode_step_with_uniform_lengths_needs_no_mask_and_no_zero_fill():
     assert plan.decodes_cover_all_rows
     assert len(plan.buckets) == 1 and plan.buckets[0].mask is None
     assert plan.buckets[0].rows == slice(0, 3)
+
+
+@pytest.mark.skipif("cpu_kernel" not in DECODE_PATHS, reason="replica.attention._cpu_paged not built")
+def test_cpu_kernel_rejects_out_of_range_input_naming_it_and_writes_nothing():
+    import numpy as np
+
+    from replica.attention import _cpu_paged
+
+    H, Hkv, D, B, NB = 4, 2, 8, 4, 6
+    out = np.full((2, H, D), 9.0, dtype=np.float32)
+    q = np.ones((2, H, D), dtype=np.float32)
+    kv = np.zeros((2, NB, B, Hkv, D), dtype=np.float32)
+    table = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    lens = np.array([5, 8], dtype=np.int32)
+    rows, reqs = np.array([0, 1]), np.array([0, 1])
+
+    def call(**kw):
+        a = dict(out=out, q=q, kv=kv, table=table, lens=lens, rows=rows, reqs=reqs)
+        a.update(kw)
+        _cpu_paged.paged_decode(*a.values(), H, Hkv, D, B, 0.5)
+
+    cases = [
+        ({"table": np.array([[1, 2], [3, NB]], dtype=np.int32)}, "block_table"),
+        ({"table": np.array([[1, 2], [3, -1]], dtype=np.int32)}, "block_table"),
+        ({"lens": np.array([5, 9], dtype=np.int32)}, "seq_lens"),
+        ({"lens": np.array([0, 8], dtype=np.int32)}, "seq_lens"),
+        ({"rows": np.array([0, 2])}, "rows"),
+        ({"reqs": np.array([0, 2])}, "reqs"),
+        ({"kv": np.zeros((2, NB, B, Hkv, D + 1), dtype=np.float32)}, "kv_cache"),
+        ({"q": np.ones((2, H, D), dtype=np.float64)}, "query"),
+        ({"table": table.astype(np.int64)}, "block_table"),
+    ]
+    for kw, field in cases:
+        with pytest.raises(ValueError, match=field):
+            call(**kw)
+        assert (out == 9.0).all()
+    call()  # the valid call: uniform keys -> each output row is the mean of its values (zeros)
+    assert (out == 0).all()
+    with pytest.raises(ValueError, match="num_heads"):
+        _cpu_paged.paged_decode(out, q, kv, table, lens, rows, reqs, 3, 2, D, B, 0.5)
+
+
+def test_cpu_kernel_can_be_turned_off_or_demanded():
+    assert TorchAttentionBackend(cpu_kernel=False).cpu_kernel is False
+    if torch_backend._cpu_paged is None:
+        with pytest.raises(ImportError, match="_cpu_paged"):
+            TorchAttentionBackend(cpu_kernel=True)
+    else:
+        assert TorchAttentionBackend().cpu_kernel is True

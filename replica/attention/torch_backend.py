@@ -12,6 +12,11 @@ buckets; then every layer runs one gather and one masked SDPA call per bucket::
                                [n, Hkv, group, D] and an additive mask (-inf at positions >= seq_len)
 
 Prefill chunks (query_len > 1) run one SDPA call each on exactly their ``seq_len`` keys.
+
+On the CPU in float32, when the optional C extension ``replica.attention._cpu_paged`` was built
+(``setup.py``), decodes skip the gather: one call attends every decode of the step, reading K/V
+blocks in place through the block table (``_cpu_paged.c``). Same results within float rounding
+(tests compare both paths); ``TorchAttentionBackend(cpu_kernel=False)`` forces the gather path.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ import torch.nn.functional as F
 
 from replica.attention.kv_cache import write_kv_cache
 from replica.attention.metadata import AttentionMetadata
+
+try:
+    from replica.attention import _cpu_paged
+except ImportError:  # built without a C compiler: decodes take the gather + SDPA path
+    _cpu_paged = None
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -189,13 +199,23 @@ class TorchAttentionBackend:
     SDPA task per request instead of per head): 8% faster per layer in isolation, but KV-heads-times
     the FLOPs in general; not kept. What would win is reading the blocks in place: a naive C++ loop
     over the block table (``torch.utils.cpp_extension``) took 900 vs 1,500 us a layer for 32 decodes
-    of 100-150 tokens on a busy host; that needs a compiled extension, so it is not part of this
-    backend.
+    of 100-150 tokens on a busy host. That is now ``_cpu_paged.c`` (module docstring), used for
+    CPU float32 decodes whenever it was built; the gather path above stays for other dtypes and
+    devices, and for installs without a C compiler.
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_kernel: bool | None = None) -> None:
+        """``cpu_kernel``: attend CPU float32 decodes with the compiled paged kernel (module doc);
+        None = when it was built, False = never (the gather path).
+
+        Raises:
+            ImportError: ``cpu_kernel=True`` and the extension was not built.
+        """
+        if cpu_kernel and _cpu_paged is None:
+            raise ImportError("replica.attention._cpu_paged was not built (no C compiler at install time)")
+        self.cpu_kernel = _cpu_paged is not None if cpu_kernel is None else cpu_kernel
         self._scratch: torch.Tensor | None = None
 
     def forward(
@@ -214,25 +234,34 @@ class TorchAttentionBackend:
         """
         n = metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
-        plan_key = ("torch_decode_plan", kv_cache.shape, kv_cache.dtype, query.dtype)
-        plan = metadata.derived.get(plan_key)
-        if plan is None:
-            plan = metadata.derived[plan_key] = build_decode_plan(metadata, kv_cache, query.dtype)
-        head_dim = kv_cache.shape[4]
-        if plan.decodes_cover_all_rows:
-            bucket = plan.buckets[0]
-            return self._decode(query, kv_cache, bucket, scale).view(query.shape)
-        out = torch.zeros_like(query)
-        for bucket in plan.buckets:
-            o = self._decode(query[bucket.rows], kv_cache, bucket, scale)
-            out[bucket.rows] = o.view(bucket.num_reqs, -1, head_dim)
-        if not plan.prefill_reqs:
+        if (
+            self.cpu_kernel
+            and kv_cache.device.type == "cpu"
+            and kv_cache.dtype == torch.float32
+            and query.dtype == torch.float32
+        ):
+            out, prefill_reqs = self._decode_cpu_kernel(query, kv_cache, metadata, scale)
+        else:
+            plan_key = ("torch_decode_plan", kv_cache.shape, kv_cache.dtype, query.dtype)
+            plan = metadata.derived.get(plan_key)
+            if plan is None:
+                plan = metadata.derived[plan_key] = build_decode_plan(metadata, kv_cache, query.dtype)
+            head_dim = kv_cache.shape[4]
+            if plan.decodes_cover_all_rows:
+                bucket = plan.buckets[0]
+                return self._decode(query, kv_cache, bucket, scale).view(query.shape)
+            out = torch.zeros_like(query)
+            for bucket in plan.buckets:
+                o = self._decode(query[bucket.rows], kv_cache, bucket, scale)
+                out[bucket.rows] = o.view(bucket.num_reqs, -1, head_dim)
+            prefill_reqs = plan.prefill_reqs
+        if not prefill_reqs:
             return out
         starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         block_size = kv_cache.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        for i in plan.prefill_reqs:
+        for i in prefill_reqs:
             seq_len = seq_lens[i]
             start, end = starts[i], starts[i + 1]
             query_len = end - start
@@ -255,6 +284,32 @@ class TorchAttentionBackend:
                 o = _sdpa(q, k, v, k_pos[None, :] <= q_pos[:, None], False, scale)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _decode_cpu_kernel(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Every decode of the step in one ``_cpu_paged.paged_decode`` call: (out with the decode
+        rows filled, the prefill requests left to attend)."""
+        plan = metadata.derived.get("cpu_kernel_plan")
+        if plan is None:
+            qsl = metadata.query_start_loc_cpu.numpy()
+            is_decode = np.diff(qsl) == 1
+            reqs = np.flatnonzero(is_decode)
+            prefills = tuple(np.flatnonzero(~is_decode).tolist())
+            covers = not prefills and metadata.num_actual_tokens == metadata.num_tokens
+            rows = qsl[reqs].astype(np.int64)
+            plan = metadata.derived["cpu_kernel_plan"] = (rows, reqs.astype(np.int64), prefills, covers)
+        rows, reqs, prefills, covers = plan
+        query = query.contiguous()
+        out = torch.empty_like(query) if covers else torch.zeros_like(query)
+        if rows.size:
+            _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+            table = np.ascontiguousarray(metadata.block_table_cpu.numpy())
+            _cpu_paged.paged_decode(
+                out.numpy(), query.numpy(), kv_cache.numpy(), table, metadata.seq_lens_cpu.numpy(),
+                rows, reqs, query.shape[1], num_kv_heads, head_dim, block_size, scale,
+            )  # fmt: skip
+        return out, prefills
 
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
