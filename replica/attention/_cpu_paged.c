@@ -7,8 +7,8 @@
  *     out[row, h] = sum_t softmax(s)_t * V[block_table[r, t / B], t % B, g]
  *
  * with kv_cache laid out (2, num_blocks, B, Hkv, D) as in DESIGN.md §3.2 (float32, contiguous).
- * The softmax is the two-pass one: max, then exp and sum. The K row of a position is loaded once
- * for every query head of its group. This is what vLLM's CPU backend and flash-attn's paged
+ * The softmax is the two-pass one: max, then exp and sum. Positions are walked in order, each
+ * position's K (then V) row of every KV head read once, contiguously, for all query heads. This is what vLLM's CPU backend and flash-attn's paged
  * kernels do instead of gathering the blocks into a dense copy first (the torch backend's path,
  * which copies every K/V byte once more per layer).
  *
@@ -139,7 +139,8 @@ static PyObject *paged_decode(PyObject *self, PyObject *args) {
             max_len = L;
     }
     Py_ssize_t group = H / Hkv;
-    scratch = PyMem_Malloc((size_t)(group * max_len + group * D + 1) * sizeof(float));
+    /* scores [H][max_len], then the output accumulator [H][D] */
+    scratch = PyMem_Malloc((size_t)(H * max_len + H * D + 1) * sizeof(float));
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -148,41 +149,46 @@ static PyObject *paged_decode(PyObject *self, PyObject *args) {
     const float *Q = q.buf;
     float *O = out.buf;
     const float fscale = (float)scale;
+    const Py_ssize_t pos_floats = Hkv * D; /* one position's K (or V) row: every KV head, contiguous */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t d = 0; d < n; d++) {
-        Py_ssize_t L = sl[rq[d]];
+        const Py_ssize_t L = sl[rq[d]];
         const int32_t *row = tab + rq[d] * max_blocks;
-        for (Py_ssize_t g = 0; g < Hkv; g++) {
-            const float *qg = Q + rw[d] * row_floats + g * group * D;
-            float *s = scratch, *acc = scratch + group * max_len;
-            for (Py_ssize_t t = 0; t < L; t++) {
-                const float *k = K + ((Py_ssize_t)row[t / B] * B + t % B) * Hkv * D + g * D;
-                for (Py_ssize_t j = 0; j < group; j++)
-                    s[j * max_len + t] = fscale * dot(qg + j * D, k, D);
-            }
-            for (Py_ssize_t j = 0; j < group; j++) {
-                float *sj = s + j * max_len, m = sj[0], sum = 0;
-                for (Py_ssize_t t = 1; t < L; t++)
-                    m = sj[t] > m ? sj[t] : m;
-                for (Py_ssize_t t = 0; t < L; t++) {
-                    sj[t] = expf(sj[t] - m);
-                    sum += sj[t];
-                }
-                float inv = 1.0f / sum;
-                for (Py_ssize_t t = 0; t < L; t++)
-                    sj[t] *= inv;
-            }
-            memset(acc, 0, (size_t)(group * D) * sizeof(float));
-            for (Py_ssize_t t = 0; t < L; t++) {
-                const float *v = V + ((Py_ssize_t)row[t / B] * B + t % B) * Hkv * D + g * D;
-                for (Py_ssize_t j = 0; j < group; j++) {
-                    float p = s[j * max_len + t], *a = acc + j * D;
-                    for (Py_ssize_t e = 0; e < D; e++)
-                        a[e] += p * v[e];
-                }
-            }
-            memcpy(O + rw[d] * row_floats + g * group * D, acc, (size_t)(group * D) * sizeof(float));
+        const float *qd = Q + rw[d] * row_floats;
+        float *restrict s = scratch, *restrict acc = scratch + H * max_len;
+        /* Pass 1, positions in order (each K row read once, sequentially within a block):
+         * s[h][t] = scale * <q_h, k_t[h / group]>. */
+        for (Py_ssize_t t = 0; t < L; t++) {
+            const float *k = K + ((Py_ssize_t)row[t / B] * B + t % B) * pos_floats;
+            for (Py_ssize_t h = 0; h < H; h++)
+                s[h * max_len + t] = fscale * dot(qd + h * D, k + (h / group) * D, D);
         }
+        /* Softmax per head (two-pass: max, then exp and sum); the 1 / sum is applied at the end. */
+        for (Py_ssize_t h = 0; h < H; h++) {
+            float *sh = s + h * max_len, m = sh[0], sum = 0;
+            for (Py_ssize_t t = 1; t < L; t++)
+                m = sh[t] > m ? sh[t] : m;
+            for (Py_ssize_t t = 0; t < L; t++) {
+                sh[t] = expf(sh[t] - m);
+                sum += sh[t];
+            }
+            const float r = 1.0f / sum;
+            for (Py_ssize_t t = 0; t < L; t++)
+                sh[t] *= r;
+        }
+        /* Pass 2, positions in order: acc[h] += p[h][t] * v_t[h / group]. */
+        memset(acc, 0, (size_t)(H * D) * sizeof(float));
+        for (Py_ssize_t t = 0; t < L; t++) {
+            const float *restrict v = V + ((Py_ssize_t)row[t / B] * B + t % B) * pos_floats;
+            for (Py_ssize_t h = 0; h < H; h++) {
+                const float p = s[h * max_len + t];
+                const float *restrict vh = v + (h / group) * D;
+                float *restrict a = acc + h * D;
+                for (Py_ssize_t e = 0; e < D; e++)
+                    a[e] += p * vh[e];
+            }
+        }
+        memcpy(O + rw[d] * row_floats, acc, (size_t)(H * D) * sizeof(float));
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
