@@ -2,10 +2,11 @@
 
 - kvroute._hashchain: the block-hash chain (DESIGN.md §2), for router and replicas.
 - replica.attention._cpu_paged: paged decode attention on the CPU, K/V read in place.
+- router._runs: the router index's run-length walk over a request's hash chain.
 
-Both are optional: without a C compiler or the Python headers the install still succeeds, and
-kvroute.hashing uses its numpy path, the torch attention backend its gather + SDPA path (same
-results, slower).
+All are optional: without a C compiler or the Python headers the install still succeeds, and
+kvroute.hashing uses its numpy path, the torch attention backend its gather + SDPA path, the
+router index its accumulate + bisection walk (same results, slower).
 """
 
 from setuptools import Extension, setup
@@ -26,5 +27,6 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension("router._runs", sources=["router/_runs.c"], extra_compile_args=["-O2"], optional=True),
     ]
 )

@@ -25,6 +25,11 @@ from operator import and_, neg, or_
 
 from kvroute.events import CPU, GPU, MEDIA
 
+try:
+    from router import _runs
+except ImportError:  # built without a C compiler: the accumulate + bisection walk below
+    _runs = None
+
 
 @dataclass(slots=True)
 class Match:
@@ -193,11 +198,9 @@ class BlockIndex:
         """Per replica, the leading run of ``hashes`` it holds (GPU or speculative), then the run
         after that on its CPU tier (mirrors the engine's get_computed_blocks).
 
-        The walk runs at C speed: ``map(dict.get)`` fetches every block's mask, and
-        ``itertools.accumulate(and_)`` turns them into ``run[i]``, the replicas holding blocks
-        ``0 .. i-1``. ``run`` only loses bits, so as ints it is non-increasing, and each replica's
-        run length is found by bisection (:func:`_run_ends`) instead of a Python loop per block:
-        ~0.06 ms for 512 blocks and 64 replicas against ~0.35 ms for the loop (bench/router.py).
+        The walk is :func:`leading_runs`: one C pass (``router/_runs.c``) when built and every
+        mask fits 64 bits, else ``map(dict.get)`` + ``itertools.accumulate(and_)`` and a bisection
+        per run length (:func:`_run_ends`) instead of a Python loop per block.
 
         Args:
             hashes: the request's block hash chain (event ints), block 0 first.
@@ -216,13 +219,12 @@ class BlockIndex:
         for b in bits:
             alive |= b
         n = len(hashes)
-        gpu = list(map(self._masks[GPU].get, hashes, repeat(0)))
-        spec = self._spec_mask
-        held = list(map(or_, gpu, map(spec.get, hashes, repeat(0)))) if spec else gpu
-        gpu_end = _run_ends(held, 0, alive)
+        hashes = hashes if type(hashes) is list else list(hashes)
+        gpu, spec = self._masks[GPU], self._spec_mask
+        gpu_end = leading_runs(hashes, (gpu, spec) if spec else (gpu,), 0, alive)
         if spec:
             # A replica's real run ends at its first block held only speculatively.
-            real_end = _run_ends(gpu, 0, alive)
+            real_end = leading_runs(hashes, (gpu,), 0, alive)
             for b, r in bits.items():
                 out[r].speculative = max(gpu_end[b] - real_end[b], 0)
         for b, r in bits.items():
@@ -233,11 +235,9 @@ class BlockIndex:
             for b, end in gpu_end.items():
                 if end < n:
                     starts[end] = starts.get(end, 0) | b
-            if starts:
-                cpu_held = list(map(cpu.get, hashes, repeat(0)))
-                for start, mask in starts.items():
-                    for b, end in _run_ends(cpu_held, start, mask).items():
-                        out[bits[b]].cpu = end - start
+            for start, mask in starts.items():
+                for b, end in leading_runs(hashes, (cpu,), start, mask).items():
+                    out[bits[b]].cpu = end - start
         return out
 
     def has(self, replica: str, block_hash: int, medium: str = GPU) -> bool:
@@ -246,6 +246,24 @@ class BlockIndex:
     def cached_set(self, replica: str, medium: str = GPU) -> dict[int, int]:
         """A copy of ``{hash: copies}`` for (replica, medium) (tests, debugging)."""
         return dict(self._counts.get((replica, medium), {}))
+
+
+def leading_runs(hashes: list[int], dicts: tuple[dict[int, int], ...], start: int, mask: int) -> dict[int, int]:
+    """For each bit of ``mask``: where its run of consecutive blocks from ``start`` ends, a block
+    being held when the OR of ``d.get(h, 0)`` over ``dicts`` carries the bit (:func:`_run_ends`).
+
+    Uses the compiled walk (``router/_runs.c``: one pass, stops when no bit is left) when it was
+    built and the masks fit in 64 bits; else the Python walk. Same answers (tests check both).
+    """
+    if _runs is not None and mask < 1 << 64:
+        try:
+            return _runs.run_ends(hashes, dicts, start, mask)
+        except OverflowError:  # a replica bit past 64 in some entry
+            pass
+    held = list(map(dicts[0].get, hashes, repeat(0)))
+    for d in dicts[1:]:
+        held = list(map(or_, held, map(d.get, hashes, repeat(0))))
+    return _run_ends(held, start, mask)
 
 
 def _run_ends(held: Sequence[int], start: int, mask: int) -> dict[int, int]:

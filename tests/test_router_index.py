@@ -4,11 +4,24 @@ counted from its first block not really on the GPU, then the run after them on i
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import router.index
 from kvroute.events import CPU, GPU
-from router.index import BlockIndex, Match
+from router.index import BlockIndex, Match, leading_runs
+
+# The run-length walk: compiled (router/_runs.c) when built, and the Python fallback.
+WALKS = ["python", "c"] if router.index._runs is not None else ["python"]
+
+
+def walk(name: str):
+    """Force the lookup onto one walk for the duration of a ``with`` block."""
+    return mock.patch.object(router.index, "_runs", None) if name == "python" else contextlib.nullcontext()
 
 
 def reference_match(chain: list[int], gpu: set[int], spec: set[int], cpu: set[int]) -> Match:
@@ -38,8 +51,8 @@ def index_states(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(index_states())
-def test_lookup_equals_a_plain_walk_per_replica(state):
+@given(index_states(), st.sampled_from(WALKS))
+def test_lookup_equals_a_plain_walk_per_replica(state, walk_name):
     replicas, chain, candidates = state
     index = BlockIndex(speculative_ttl=60.0, clock=lambda: 0.0)
     for name, (gpu, spec, cpu) in replicas.items():
@@ -47,7 +60,8 @@ def test_lookup_equals_a_plain_walk_per_replica(state):
         index.add(name, sorted(gpu), GPU)  # two copies: the lookup sees a hash, not a count
         index.add(name, sorted(cpu), CPU)
         index.add_speculative(name, sorted(spec))
-    got = index.lookup(chain, candidates)
+    with walk(walk_name):
+        got = index.lookup(chain, candidates)
     names = list(replicas) if candidates is None else candidates
     assert set(got) == set(names)
     for name in names:
@@ -55,7 +69,8 @@ def test_lookup_equals_a_plain_walk_per_replica(state):
         assert got[name] == expected, name
 
 
-def test_worked_example_gpu_then_speculative_then_cpu():
+@pytest.mark.parametrize("walk_name", WALKS)
+def test_worked_example_gpu_then_speculative_then_cpu(walk_name):
     index = BlockIndex(speculative_ttl=60.0, clock=lambda: 0.0)
     chain = [1, 2, 3, 4, 5, 6]
     index.add("a", [1, 2], GPU)
@@ -63,7 +78,25 @@ def test_worked_example_gpu_then_speculative_then_cpu():
     index.add("a", [5], CPU)
     index.add("b", [1, 2, 3, 4, 5, 6], CPU)
     index.add("c", [2, 3], GPU)  # no block 0: nothing matches
-    got = index.lookup(chain)
+    with walk(walk_name):
+        got = index.lookup(chain)
     assert got["a"] == Match(gpu=4, cpu=1, speculative=2)
     assert got["b"] == Match(gpu=0, cpu=6, speculative=0)
     assert got["c"] == Match()
+
+
+@pytest.mark.skipif("c" not in WALKS, reason="router._runs not built")
+def test_compiled_walk_refuses_wide_masks_and_bad_arguments_so_the_caller_falls_back():
+    from router import _runs
+
+    with pytest.raises(OverflowError):
+        _runs.run_ends([1], ({1: 1 << 64},), 0, 1)
+    with pytest.raises(TypeError):
+        _runs.run_ends((1,), ({},), 0, 1)  # a tuple of hashes
+    with pytest.raises(TypeError, match="dicts"):
+        _runs.run_ends([1], ([],), 0, 1)
+    # Past 64 bits the index still answers, through the Python walk.
+    wide = {1: 1 | 1 << 70, 2: 1 << 70}
+    assert leading_runs([1, 2, 3], (wide,), 0, 1 | 1 << 70) == {1: 1, 1 << 70: 2}
+    assert _runs.run_ends([1, 2, 3], ({1: 3, 2: 2},), 0, 3) == {1: 1, 2: 2}
+    assert _runs.run_ends([1, 2], ({1: 1},), 5, 1) == {1: 5}  # start past the chain
