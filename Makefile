@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # setup.py builds the three optional C extensions (README, "Compiled parts").
-$(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_runs.c
+$(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_index.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -45,4 +45,4 @@ bench: venv
 	$(PY) bench/kv_manager.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_runs*.so
+	rm -rf $(VENV) build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so

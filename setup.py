@@ -2,7 +2,7 @@
 
 - kvroute._hashchain: the block-hash chain (DESIGN.md §2), for router and replicas.
 - replica.attention._cpu_paged: paged decode attention on the CPU, K/V read in place.
-- router._runs: the router index's run-length walk over a request's hash chain.
+- router._index: the router index's hot loops (event ingest, the lookup's walk).
 
 All are optional: without a C compiler or the Python headers the install still succeeds, and
 kvroute.hashing uses its numpy path, the torch attention backend its gather + SDPA path, the
@@ -27,6 +27,6 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
-        Extension("router._runs", sources=["router/_runs.c"], extra_compile_args=["-O2"], optional=True),
+        Extension("router._index", sources=["router/_index.c"], extra_compile_args=["-O2"], optional=True),
     ]
 )

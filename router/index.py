@@ -26,9 +26,9 @@ from operator import and_, neg, or_
 from kvroute.events import CPU, GPU, MEDIA
 
 try:
-    from router import _runs
-except ImportError:  # built without a C compiler: the accumulate + bisection walk below
-    _runs = None
+    from router import _index
+except ImportError:  # built without a C compiler: the Python loops below
+    _index = None
 
 
 @dataclass(slots=True)
@@ -126,6 +126,9 @@ class BlockIndex:
         bit = self._bit(replica)
         counts = self._counts[(replica, medium)]
         mask = self._masks[medium]
+        if _index is not None:
+            _index.add_copies(counts, mask, hashes, bit)  # the loop below, in C (router/_index.c)
+            return None
         get = counts.get
         for h in hashes:
             c = get(h, 0)
@@ -142,6 +145,8 @@ class BlockIndex:
             return sum(1 for _ in hashes)
         counts = self._counts[(replica, medium)]
         mask = self._masks[medium]
+        if _index is not None:
+            return _index.remove_copies(counts, mask, hashes, bit)  # the loop below, in C
         missing = 0
         for h in hashes:
             c = counts.get(h, 0)
@@ -198,7 +203,7 @@ class BlockIndex:
         """Per replica, the leading run of ``hashes`` it holds (GPU or speculative), then the run
         after that on its CPU tier (mirrors the engine's get_computed_blocks).
 
-        The walk is :func:`leading_runs`: one C pass (``router/_runs.c``) when built and every
+        The walk is :func:`leading_runs`: one C pass (``router/_index.c``) when built and every
         mask fits 64 bits, else ``map(dict.get)`` + ``itertools.accumulate(and_)`` and a bisection
         per run length (:func:`_run_ends`) instead of a Python loop per block.
 
@@ -252,12 +257,12 @@ def leading_runs(hashes: list[int], dicts: tuple[dict[int, int], ...], start: in
     """For each bit of ``mask``: where its run of consecutive blocks from ``start`` ends, a block
     being held when the OR of ``d.get(h, 0)`` over ``dicts`` carries the bit (:func:`_run_ends`).
 
-    Uses the compiled walk (``router/_runs.c``: one pass, stops when no bit is left) when it was
+    Uses the compiled walk (``router/_index.c``: one pass, stops when no bit is left) when it was
     built and the masks fit in 64 bits; else the Python walk. Same answers (tests check both).
     """
-    if _runs is not None and mask < 1 << 64:
+    if _index is not None and mask < 1 << 64:
         try:
-            return _runs.run_ends(hashes, dicts, start, mask)
+            return _index.run_ends(hashes, dicts, start, mask)
         except OverflowError:  # a replica bit past 64 in some entry
             pass
     held = list(map(dicts[0].get, hashes, repeat(0)))

@@ -15,13 +15,13 @@ import router.index
 from kvroute.events import CPU, GPU
 from router.index import BlockIndex, Match, leading_runs
 
-# The run-length walk: compiled (router/_runs.c) when built, and the Python fallback.
-WALKS = ["python", "c"] if router.index._runs is not None else ["python"]
+# The run-length walk: compiled (router/_index.c) when built, and the Python fallback.
+WALKS = ["python", "c"] if router.index._index is not None else ["python"]
 
 
 def walk(name: str):
     """Force the lookup onto one walk for the duration of a ``with`` block."""
-    return mock.patch.object(router.index, "_runs", None) if name == "python" else contextlib.nullcontext()
+    return mock.patch.object(router.index, "_index", None) if name == "python" else contextlib.nullcontext()
 
 
 def reference_match(chain: list[int], gpu: set[int], spec: set[int], cpu: set[int]) -> Match:
@@ -85,18 +85,71 @@ def test_worked_example_gpu_then_speculative_then_cpu(walk_name):
     assert got["c"] == Match()
 
 
-@pytest.mark.skipif("c" not in WALKS, reason="router._runs not built")
+@pytest.mark.skipif("c" not in WALKS, reason="router._index not built")
 def test_compiled_walk_refuses_wide_masks_and_bad_arguments_so_the_caller_falls_back():
-    from router import _runs
+    from router import _index
 
     with pytest.raises(OverflowError):
-        _runs.run_ends([1], ({1: 1 << 64},), 0, 1)
+        _index.run_ends([1], ({1: 1 << 64},), 0, 1)
     with pytest.raises(TypeError):
-        _runs.run_ends((1,), ({},), 0, 1)  # a tuple of hashes
+        _index.run_ends((1,), ({},), 0, 1)  # a tuple of hashes
     with pytest.raises(TypeError, match="dicts"):
-        _runs.run_ends([1], ([],), 0, 1)
+        _index.run_ends([1], ([],), 0, 1)
     # Past 64 bits the index still answers, through the Python walk.
     wide = {1: 1 | 1 << 70, 2: 1 << 70}
     assert leading_runs([1, 2, 3], (wide,), 0, 1 | 1 << 70) == {1: 1, 1 << 70: 2}
-    assert _runs.run_ends([1, 2, 3], ({1: 3, 2: 2},), 0, 3) == {1: 1, 2: 2}
-    assert _runs.run_ends([1, 2], ({1: 1},), 5, 1) == {1: 5}  # start past the chain
+    assert _index.run_ends([1, 2, 3], ({1: 3, 2: 2},), 0, 3) == {1: 1, 2: 2}
+    assert _index.run_ends([1, 2], ({1: 1},), 5, 1) == {1: 5}  # start past the chain
+
+
+@st.composite
+def event_sequences(draw):
+    # Few replicas so that copies pile up on one; 66 so that masks pass 64 bits.
+    replicas = [f"r{i}" for i in range(draw(st.sampled_from([1, 2, 3, 66])))]
+    hashes = st.integers(0, 15).map(lambda i: 2**63 + i * 104_729)  # 64-bit values, few distinct
+    ops = st.tuples(
+        st.sampled_from(["add", "remove", "clear"]),
+        st.sampled_from(replicas),
+        st.sampled_from([GPU, CPU]),
+        st.lists(hashes, max_size=8),
+    )
+    return draw(st.lists(ops, max_size=60))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(event_sequences(), st.sampled_from(WALKS))
+def test_add_remove_clear_keep_counts_and_masks_equal_to_a_reference(events, walk_name):
+    """Copies per (replica, medium, hash) as a plain Counter; the masks must name exactly the
+    replicas with at least one copy, and remove must report the hashes it did not know."""
+    from collections import Counter
+
+    index = BlockIndex()
+    ref: dict[tuple[str, str], Counter] = {}
+    with walk(walk_name):
+        for op, replica, medium, hs in events:
+            copies = ref.setdefault((replica, medium), Counter())
+            if op == "add":
+                index.add(replica, hs, medium)
+                copies.update(hs)
+            elif op == "remove":
+                expected_missing = 0
+                for h in hs:
+                    if copies[h] > 0:
+                        copies[h] -= 1
+                    else:
+                        expected_missing += 1
+                assert index.remove(replica, hs, medium) == expected_missing
+            else:
+                index.clear_replica(replica, medium)
+                copies.clear()
+    for medium in (GPU, CPU):
+        holders: dict[int, set[str]] = {}
+        for (replica, m), copies in ref.items():
+            if m == medium:
+                for h, c in copies.items():
+                    if c > 0:
+                        holders.setdefault(h, set()).add(replica)
+                        assert index.has(replica, h, medium)
+        got = {h: {r for r in index.replicas if index.has(r, h, medium)} for h in index._masks[medium]}
+        assert {h: {r for r in index.replicas if mask & index._bits[r]} for h, mask in index._masks[medium].items()} == got
+        assert got == holders
