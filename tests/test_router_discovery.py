@@ -176,7 +176,13 @@ class FakeKubeAPI:
                         if not new and generation == self.generation and not self.closed:
                             self.cond.wait(0.1)
                             new = [e for e in self.events if e[0] > since]
-                        ended = generation != self.generation or self.closed or time.monotonic() > deadline
+                        dropped = generation != self.generation
+                        if dropped:
+                            # A dropped connection delivers nothing more: events put after (or
+                            # racing with) the drop reach the client only through its next watch,
+                            # resumed from the last resourceVersion it saw.
+                            new = []
+                        ended = dropped or self.closed or time.monotonic() > deadline
                     for rv, kind, obj in new:
                         since = rv
                         if self._selected(obj, selector):
