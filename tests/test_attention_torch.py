@@ -350,3 +350,19 @@ def test_cpu_kernel_can_be_turned_off_or_demanded():
             TorchAttentionBackend(cpu_kernel=True)
     else:
         assert TorchAttentionBackend().cpu_kernel is True
+
+
+@pytest.mark.skipif("cpu_kernel" not in DECODE_PATHS, reason="replica.attention._cpu_paged not built")
+def test_cpu_kernel_split_over_threads_gives_the_single_thread_result(decode_path):
+    """With torch on several threads the decodes are split over kernel workers: same numbers."""
+    if decode_path != "cpu_kernel":
+        pytest.skip("the kernel path only")
+    requests = [(1, n) for n in (3, 40, 17, 64, 1, 33, 16, 9, 50, 12, 7, 70)]
+    single, *_ = run_case(requests, block_size=4, num_blocks=256, pad_to=15)
+    torch.set_num_threads(3)  # the module fixture restores 1 afterwards
+    try:
+        threaded, md, *_ = run_case(requests, block_size=4, num_blocks=256, pad_to=15)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(single, threaded)
+    check_against_reference(requests, block_size=4, num_blocks=256)

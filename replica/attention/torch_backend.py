@@ -15,12 +15,16 @@ Prefill chunks (query_len > 1) run one SDPA call each on exactly their ``seq_len
 
 On the CPU in float32, when the optional C extension ``replica.attention._cpu_paged`` was built
 (``setup.py``), decodes skip the gather: one call attends every decode of the step, reading K/V
-blocks in place through the block table (``_cpu_paged.c``). Same results within float rounding
+blocks in place through the block table (``_cpu_paged.c``); with torch on N > 1 threads the
+decodes are split over N workers (the kernel releases the GIL). Same results within float rounding
 (tests compare both paths); ``TorchAttentionBackend(cpu_kernel=False)`` forces the gather path.
+32 decodes of 32-160 tokens, one layer: 0.65 ms on 1 thread, 0.58 ms on 2 (this 2-core host),
+against 1.8 / 1.3 ms for the gather path.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,6 +221,8 @@ class TorchAttentionBackend:
             raise ImportError("replica.attention._cpu_paged was not built (no C compiler at install time)")
         self.cpu_kernel = _cpu_paged is not None if cpu_kernel is None else cpu_kernel
         self._scratch: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # kernel workers when torch has > 1 thread
+        self._pool_size = 0
 
     def forward(
         self,
@@ -302,13 +308,26 @@ class TorchAttentionBackend:
         rows, reqs, prefills, covers = plan
         query = query.contiguous()
         out = torch.empty_like(query) if covers else torch.zeros_like(query)
-        if rows.size:
-            _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-            table = np.ascontiguousarray(metadata.block_table_cpu.numpy())
-            _cpu_paged.paged_decode(
-                out.numpy(), query.numpy(), kv_cache.numpy(), table, metadata.seq_lens_cpu.numpy(),
-                rows, reqs, query.shape[1], num_kv_heads, head_dim, block_size, scale,
-            )  # fmt: skip
+        if not rows.size:
+            return out, prefills
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        table = np.ascontiguousarray(metadata.block_table_cpu.numpy())
+        args = (out.numpy(), query.numpy(), kv_cache.numpy(), table, metadata.seq_lens_cpu.numpy())
+        shape = (query.shape[1], num_kv_heads, head_dim, block_size, scale)
+        threads = min(torch.get_num_threads(), rows.size // 4)
+        if threads <= 1:
+            _cpu_paged.paged_decode(*args, rows, reqs, *shape)
+            return out, prefills
+        # The kernel releases the GIL: as many workers as torch has intra-op threads (idle while
+        # it runs), each on its own slice of the decodes (disjoint output rows).
+        if self._pool_size < threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="paged-decode")
+            self._pool_size = threads
+        parts = zip(np.array_split(rows, threads), np.array_split(reqs, threads), strict=True)
+        for f in [self._pool.submit(_cpu_paged.paged_decode, *args, r, q, *shape) for r, q in parts]:
+            f.result()
         return out, prefills
 
     def _decode(
