@@ -74,7 +74,7 @@ static ALWAYS_INLINE void attend_body(ATTEND_ARGS, const Py_ssize_t D) {
         /* Pass 1, positions in order (each K row read once, sequentially within a block):
          * s[t][h] = scale * <q_h, k_t[h / group]>. */
         for (Py_ssize_t t = 0; t < L; t++) {
-            const Py_ssize_t blk = row[t / B]; /* B is a power of two in practice: a shift */
+            const Py_ssize_t blk = row[t / B];
             const float *k = K + (blk * B + (t - (t / B) * B)) * pos_floats;
             float *st = s + t * H;
             for (Py_ssize_t g = 0, h = 0; g < Hkv; g++, k += D)
