@@ -33,10 +33,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvroute.hashing import BlockHasher
 from kvroute.process import BackgroundServer, run_main, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
+from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
 from replica.service import (
@@ -208,9 +210,12 @@ class ReplicaServer:
         self._watchdog = asyncio.create_task(self._watch_engine())
         await self._set_all(_SERVING)
         log.info(
-            "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s",
+            "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
+            " hashing [%s], CPU decode attention %s",
             self.replica_id, self.model_name, facts.num_blocks, facts.block_size, facts.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
+            BlockHasher(s.hash_algorithm).implementation,
+            "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
         )
 
     def _make_metrics(self, frontend: ReplicaFrontend) -> None:

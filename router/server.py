@@ -32,6 +32,7 @@ from kvroute.process import BackgroundServer, run_main, run_until_signal
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
+from router import index as index_module
 from router.consumer import EventConsumer
 from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
@@ -175,9 +176,11 @@ class RouterServer:
             self._threads.append(part)
         self._ready_task = asyncio.create_task(self._become_ready())
         log.info(
-            "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s",
+            "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s,"
+            " hashing %s [%s], index loops %s",
             self.router_id, s.host, self.port, s.policy, s.discovery, s.redis_url, s.namespace,
-            self.tokenizer.model_name,
+            self.tokenizer.model_name, s.hash_algorithm, self.router.hasher.implementation,
+            "compiled" if index_module._index is not None else "Python (router._index not built)",
         )
 
     async def _become_ready(self) -> None:
