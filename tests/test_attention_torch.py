@@ -366,3 +366,11 @@ def test_cpu_kernel_split_over_threads_gives_the_single_thread_result(decode_pat
         torch.set_num_threads(1)
     assert torch.equal(single, threaded)
     check_against_reference(requests, block_size=4, num_blocks=256)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40, 3])
+def test_decodes_match_naive_attention_for_each_head_dim(head_dim):
+    # 32/64/128 take the kernel's specialised loops, 40 and 3 the generic one (3: shorter than a
+    # vector, every product in the scalar tail).
+    requests = [(1, 5), (1, 37), (1, 16), (3, 20), (1, 64)]
+    check_against_reference(requests, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, pad_to=10)
