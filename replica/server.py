@@ -211,10 +211,10 @@ class ReplicaServer:
         await self._set_all(_SERVING)
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
-            " hashing [%s], CPU decode attention %s",
+            " hashing %s [%s], CPU decode attention %s",
             self.replica_id, self.model_name, facts.num_blocks, facts.block_size, facts.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
-            BlockHasher(s.hash_algorithm).implementation,
+            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation,
             "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
         )
 

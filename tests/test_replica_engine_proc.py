@@ -303,6 +303,18 @@ def test_snapshot_request_on_redis_pubsub_reaches_the_publisher_in_the_engine_pr
 
 
 # -- the engine process dying ------------------------------------------------------------------------
+def test_a_sigterm_to_the_engine_process_is_left_to_the_server(replica, gen):
+    """A process-group stop (``kvroute up``, ``kill -TERM -PGID``) signals the engine process too: it
+    ignores it (the server stops it in order), so the server never sees its engine "exit
+    unexpectedly" and keeps serving until it is stopped itself."""
+    engine = replica.server.engine
+    os.kill(engine.pid, signal.SIGTERM)
+    os.kill(engine.pid, signal.SIGINT)
+    reply = gen.Generate(gen_pb.GenerateRequest(text="still here", sampling=gen_pb.SamplingParams(max_tokens=2)))
+    assert reply.usage.completion_tokens == 2
+    assert pid_alive(engine.pid) and engine.dead is None
+
+
 def test_killed_engine_process_fails_streams_unavailable_and_health_not_serving(models):
     settings = ReplicaSettings(host="127.0.0.1", port=0, model_cache_dir=models, num_blocks=64, torch_threads=1,
                                replica_id="doomed")

@@ -31,8 +31,8 @@ engine object in their own process, or pass lambdas to ``call``):
   step and every idle tick (50 ms), returns a picklable report (or None: nothing new) that travels
   with the step's outputs to ``on_step_report`` on the reader thread, and is closed at shutdown.
 - The engine process dying (crash, OOM kill, a step that raises) ends every open stream and pending
-  call with ``EngineDeadError`` and sets ``dead``. ``shutdown`` stops it (terminate, then kill, if it
-  does not exit in time); it is a daemon, and it exits when this process's end of the pipe closes,
+  call with ``EngineDeadError`` and sets ``dead``. ``shutdown`` stops it (tells it, then kills it, if it
+  does not exit in time; it ignores SIGINT and SIGTERM, which a process-group stop sends it too); it is a daemon, and it exits when this process's end of the pipe closes,
   so it never outlives the server.
 """
 
@@ -265,11 +265,8 @@ class ProcessLLMEngine:
         if proc is None or proc.pid is None:
             return
         proc.join(timeout)
-        if proc.is_alive():
-            log.warning("engine process %d did not stop within %.1f s; terminating it", proc.pid, timeout)
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
+        if proc.is_alive():  # it ignores SIGTERM (``_engine_process_main``): kill it
+            log.warning("engine process %d did not stop within %.1f s; killing it", proc.pid, timeout)
             proc.kill()
             proc.join()
 
@@ -440,9 +437,13 @@ def _engine_process_main(
     log_level: int,
 ) -> None:
     """The child's entry point: build the engine and the hook, report ready (or why not), run the loop."""
-    # Ctrl-C reaches the whole process group; the server decides how to stop (it aborts the
-    # in-flight requests first), so the engine process waits to be told.
+    # Ctrl-C, and a SIGTERM sent to the whole process group (`kvroute up` stopping, a shell's
+    # kill -TERM -PGID), reach this process too; the server decides how to stop (it aborts the
+    # in-flight requests first, then tells this process), so the engine process waits to be told.
+    # Dying on the group's SIGTERM first made the server log a spurious "engine process exited
+    # unexpectedly" during clean shutdowns. SIGKILL, and the end of the server's pipe, still end it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     code = 0
     try:
