@@ -149,32 +149,6 @@ def _as_uint_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         raise ValueError("token_ids: ids must be integers in [0, 2**64)") from e
 
 
-def _as_chain_ids(token_ids: Sequence[int] | np.ndarray) -> array | np.ndarray:
-    """Token ids as a C-contiguous buffer of unsigned ints for ``_hashchain.chain`` (no copy for
-    unsigned numpy arrays; a list becomes an ``array('I')``, or ``array('Q')`` past 2**32).
-
-    Raises:
-        ValueError: a negative or non-integer id, or one of 2**64 or more.
-    """
-    if isinstance(token_ids, np.ndarray):
-        arr = np.ascontiguousarray(token_ids.ravel())
-        if arr.dtype.kind == "u" and arr.dtype.isnative:
-            return arr
-        return _as_uint_array(arr)  # validates (dtype, negatives), then uint64
-    try:
-        return array("I", token_ids)
-    except OverflowError:
-        pass
-    except TypeError as e:
-        raise ValueError(f"token_ids: expected integers ({e})") from e
-    try:
-        return array("Q", token_ids)
-    except OverflowError as e:
-        raise ValueError("token_ids: ids must be integers in [0, 2**64)") from e
-    except TypeError as e:
-        raise ValueError(f"token_ids: expected integers ({e})") from e
-
-
 def encode_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tuple[bytes, list[int]]:
     """CBOR-encode the full blocks of a prompt, each as ``array-head | tokens | null``.
 
@@ -432,7 +406,11 @@ class BlockHasher:
         self, token_ids: Sequence[int] | np.ndarray, keys: BlockHashKeys, parent: bytes, start_block: int, event_ints: bool
     ) -> list:
         """The compiled chain (``kvroute/_hashchain.c``): digests, or their event ints."""
-        ids = token_ids if type(token_ids) in (list, tuple) else _as_chain_ids(token_ids)
+        if isinstance(token_ids, np.ndarray):  # a native unsigned buffer as is, else validated to uint64
+            ids = np.ascontiguousarray(token_ids.ravel())
+            ids = ids if ids.dtype.kind == "u" and ids.dtype.isnative else _as_uint_array(ids)
+        else:  # the C code reads lists and tuples itself, validating every id
+            ids = token_ids if type(token_ids) in (list, tuple) else list(token_ids)
         tails = None if keys.empty else self._tails(keys, start_block, len(token_ids) // self.block_size)
         return _hashchain.chain(ids, self.block_size, self._tuple_head, parent, self._chain_digest, tails, event_ints)
 

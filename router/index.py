@@ -265,10 +265,11 @@ def leading_runs(hashes: list[int], dicts: tuple[dict[int, int], ...], start: in
             return _index.run_ends(hashes, dicts, start, mask)
         except OverflowError:  # a replica bit past 64 in some entry
             pass
-    held = list(map(dicts[0].get, hashes, repeat(0)))
+    tail = hashes[start:]  # the blocks before ``start`` are never looked at
+    held = list(map(dicts[0].get, tail, repeat(0)))
     for d in dicts[1:]:
-        held = list(map(or_, held, map(d.get, hashes, repeat(0))))
-    return _run_ends(held, start, mask)
+        held = list(map(or_, held, map(d.get, tail, repeat(0))))
+    return {b: start + end for b, end in _run_ends(held, 0, mask).items()}
 
 
 def _run_ends(held: Sequence[int], start: int, mask: int) -> dict[int, int]:
