@@ -304,15 +304,16 @@ class TorchAttentionBackend:
             prefills = tuple(np.flatnonzero(~is_decode).tolist())
             covers = not prefills and metadata.num_actual_tokens == metadata.num_tokens
             rows = qsl[reqs].astype(np.int64)
-            plan = metadata.derived["cpu_kernel_plan"] = (rows, reqs.astype(np.int64), prefills, covers)
-        rows, reqs, prefills, covers = plan
+            # Once per step, shared by every layer: the host tables as the kernel reads them.
+            tables = (np.ascontiguousarray(metadata.block_table_cpu.numpy()), metadata.seq_lens_cpu.numpy())
+            plan = metadata.derived["cpu_kernel_plan"] = (rows, reqs.astype(np.int64), prefills, covers, tables)
+        rows, reqs, prefills, covers, (table, seq_lens) = plan
         query = query.contiguous()
         out = torch.empty_like(query) if covers else torch.zeros_like(query)
         if not rows.size:
             return out, prefills
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        table = np.ascontiguousarray(metadata.block_table_cpu.numpy())
-        args = (out.numpy(), query.numpy(), kv_cache.numpy(), table, metadata.seq_lens_cpu.numpy())
+        args = (out.numpy(), query.numpy(), kv_cache.numpy(), table, seq_lens)
         shape = (query.shape[1], num_kv_heads, head_dim, block_size, scale)
         threads = min(torch.get_num_threads(), rows.size // 4)
         if threads <= 1:
