@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from support import make_cpu_engine, random_tokens
+from tests.support import make_cpu_engine, random_tokens
 
 import replica.engine.runner as runner_module
 from replica.attention import build_attention_metadata

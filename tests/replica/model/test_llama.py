@@ -289,7 +289,7 @@ def test_default_model_generation_is_byte_identical(default_model_dir):
         "import hashlib, json; from replica.model.default_model import build_default_model_files as b; "
         "print(json.dumps({k: hashlib.sha256(v).hexdigest() for k, v in b().items()}))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {k: hashlib.sha256(v).hexdigest() for k, v in again.items()}
 
@@ -621,7 +621,7 @@ def test_tokenizer_special_ids(ours_default, hf_tokenizer):
 
 def test_tokenizer_module_imports_no_torch():
     code = "import sys, kvroute.tokenizer, kvroute.model_folder; assert 'torch' not in sys.modules, 'torch'"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
     assert result.returncode == 0, result.stderr
 
 

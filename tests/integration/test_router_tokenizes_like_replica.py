@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.model_folder import ModelLoadError
 from kvroute.redis_server import RedisServer

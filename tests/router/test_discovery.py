@@ -16,7 +16,7 @@ from urllib.parse import parse_qs, urlparse
 
 import kubernetes.client
 import pytest
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.hashing import BlockHasher
 from router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery, parse_address

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import redis
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.cache_state import BatchResult, ReplicaCacheState
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.telemetry import extract_context, inject_metadata, setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.events import GPU, BlockStored
 from kvroute.hashing import BlockHasher

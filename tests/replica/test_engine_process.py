@@ -16,10 +16,10 @@ import signal
 import grpc
 import pytest
 import redis
-import support
+from tests import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import concurrent_stream_outcomes
-from support import replica_idle as idle
+from tests.support import assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
@@ -189,16 +189,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(gen, rep):
 
 
 def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id="dup-p", text="a long one", sampling=GREEDY_LONG))
-    next(stream)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            rep.Generate(rep_pb.ReplicaGenerateRequest(request_id="dup-p", token_ids=[1, 2, 3]))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details().startswith("request_id: ")
-    finally:
-        stream.cancel()
-    wait_for(lambda: idle(rep))
+    assert_duplicate_request_id_refused(gen, rep, "dup-p", GREEDY_LONG)
 
 
 # -- cancellation and Abort free the blocks in the engine process ---------------------------------------

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from support import concurrent_stream_outcomes, wait_for
-from support import replica_idle as idle
+from tests.support import assert_duplicate_request_id_refused, concurrent_stream_outcomes, wait_for
+from tests.support import replica_idle as idle
 
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -208,17 +208,7 @@ def test_replica_service_rejects_bad_token_ids_naming_the_field(rep, model_info)
 
 
 def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
-    req = gen_pb.GenerateRequest(request_id="dup-1", text="a long one", sampling=GREEDY_LONG)
-    stream = gen.GenerateStream(req)
-    next(stream)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            rep.Generate(rep_pb.ReplicaGenerateRequest(request_id="dup-1", token_ids=[1, 2, 3]))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details().startswith("request_id: ")
-    finally:
-        stream.cancel()
-    wait_for(lambda: idle(rep))
+    assert_duplicate_request_id_refused(gen, rep, "dup-1", GREEDY_LONG)
 
 
 # -- cancellation, deadlines, Abort: every block comes back ---------------------------------------------

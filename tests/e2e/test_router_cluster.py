@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.redis_server import RedisServer, free_port
 from kvroute.v1 import generation_pb2 as gen_pb

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import make_cpu_engine, random_tokens
+from tests.support import make_cpu_engine, random_tokens
 
 from replica.engine.engine import LLMEngine
 from replica.engine.params import FinishReason, SamplingParams

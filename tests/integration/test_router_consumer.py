@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.cache_state import ReplicaCacheState
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import redis
-from support import wait_for
+from tests.support import wait_for
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
