@@ -27,9 +27,9 @@ $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_pa
 # trace block (~430-token prompts), output x0.02 (~7 tokens), 16 requests in flight, 14,336 KV blocks
 # per replica (both policies' working sets), prefill work weighted 5x (the replicas share the cores).
 run: venv
-	$(PY) -m kvroute up --replicas 4 --router-port 0 --num-blocks 14336 \
+	$(PY) -m kvroute_tools up --replicas 4 --router-port 0 --num-blocks 14336 \
 	  --router-args "--prefill-work-weight 5" -- \
-	  $(PY) -m kvroute bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
+	  $(PY) -m kvroute_tools bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
 	  --concurrency 16 --interleave 200 --policies kvroute,round_robin
 
 test: venv

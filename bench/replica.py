@@ -17,7 +17,7 @@ the default model, greedy, ``ignore_eos``:
 - **gRPC, engine thread** (``--compare-engine-thread``): the same with ``--engine-process false``,
   the engine on a thread of the gRPC process (``AsyncLLMEngine``), as before the engine process.
 
-All sides publish KV events to one throwaway Redis (``kvroute.redis_server``). Reported: output
+All sides publish KV events to one throwaway Redis (``kvroute_tools.redis_server``). Reported: output
 tokens per second (completed requests' tokens / wall time of the cell; the median of the rounds, or
 with ``--stat best`` the best, since noise on a shared machine only ever slows a cell down) and
 TTFT p50 (client-side: call start to the first token). Overhead = 1 - gRPC tok/s / in-process
@@ -61,9 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from kvroute.cluster import wait_serving  # noqa: E402
+from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
-from kvroute.redis_server import RedisServer, free_port  # noqa: E402
+from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import replica_pb2 as rep_pb  # noqa: E402
 from kvroute.v1 import replica_pb2_grpc as rep_grpc  # noqa: E402

@@ -77,11 +77,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from kvroute.cluster import wait_serving  # noqa: E402
+from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
-from kvroute.redis_server import RedisServer, free_port  # noqa: E402
+from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 from router.consumer import EventConsumer  # noqa: E402

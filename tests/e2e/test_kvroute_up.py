@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-KVROUTE = [sys.executable, "-m", "kvroute"]
+KVROUTE = [sys.executable, "-m", "kvroute_tools"]
 
 
 class _Lines:

@@ -31,7 +31,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.support import wait_for
 
-from kvroute.redis_server import RedisServer, free_port
+from kvroute_tools.redis_server import RedisServer, free_port
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb

@@ -10,7 +10,7 @@ from tests.support import wait_for
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
 from kvroute.redis_layout import RedisLayout
-from kvroute.redis_server import RedisServer
+from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb

@@ -23,7 +23,7 @@ from kvroute.cache_state import ReplicaCacheState
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored
 from kvroute.hashing import BlockHasher
 from kvroute.redis_layout import F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.redis_server import RedisServer
+from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
 from replica.publisher import KVEventPublisher
 from router.consumer import EventConsumer, _snapshot_position

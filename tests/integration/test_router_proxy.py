@@ -29,7 +29,7 @@ from tests.support import wait_for
 from kvroute.events import GPU, BlockStored
 from kvroute.hashing import BlockHasher
 from kvroute.redis_layout import RedisLayout
-from kvroute.redis_server import RedisServer, free_port
+from kvroute_tools.redis_server import RedisServer, free_port
 from kvroute.telemetry import setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -207,7 +207,7 @@ def test_health_and_reflection(channel):
 
 
 def test_the_router_imports_neither_torch_nor_the_replica_package():
-    code = ("import sys, router.server, router.proxy, router.tokenize, router.telemetry, kvroute.cli; "
+    code = ("import sys, router.server, router.proxy, router.tokenize, router.telemetry, kvroute_tools.cli; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'replica')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -14,7 +14,7 @@ import pytest
 from tests.support import wait_for
 
 from kvroute.model_folder import ModelLoadError
-from kvroute.redis_server import RedisServer
+from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb

@@ -25,7 +25,7 @@ from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
 from kvroute.model_folder import ModelLoadError
 from kvroute.redis_layout import RedisLayout
-from kvroute.redis_server import RedisServer
+from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc

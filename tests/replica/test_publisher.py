@@ -19,7 +19,7 @@ from tests.support import wait_for
 from kvroute.cache_state import BatchResult, ReplicaCacheState
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, HEARTBEAT_FIELDS, RedisLayout
-from kvroute.redis_server import RedisServer
+from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
 from replica.publisher import KVEventPublisher
 

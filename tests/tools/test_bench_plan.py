@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from kvroute.bench import BenchConfig, BenchReport, PolicyResult, RequestResult, format_report, plan_requests
-from kvroute.client import describe_rpc_error
-from kvroute.cluster import ClusterConfig, LocalCluster, substitute
-from kvroute.trace import TraceRequest, TraceTokenizer
+from kvroute_tools.bench import BenchConfig, BenchReport, PolicyResult, RequestResult, format_report, plan_requests
+from kvroute_tools.client import describe_rpc_error
+from kvroute_tools.cluster import ClusterConfig, LocalCluster, substitute
+from kvroute_tools.trace import TraceRequest, TraceTokenizer
 
 
 def _req(ts: float, n: int, out: int, ids: tuple[int, ...]) -> TraceRequest:

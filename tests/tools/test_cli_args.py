@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvroute.cli import main
-from kvroute.redis_server import free_port
+from kvroute_tools.cli import main
+from kvroute_tools.redis_server import free_port
 
 
 def _error_of(capsys, argv: list[str]) -> str:
@@ -103,7 +103,7 @@ def test_up_refuses_an_unreachable_redis_url(capsys):
 
 def test_cli_modules_import_no_torch_replica_or_router():
     code = (
-        "import sys, kvroute.cli, kvroute.cluster, kvroute.client, kvroute.bench\n"
+        "import sys, kvroute_tools.cli, kvroute_tools.cluster, kvroute_tools.client, kvroute_tools.bench\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'replica', 'router', 'matplotlib'))\n"
         "print(bad)\n"
     )

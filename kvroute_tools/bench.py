@@ -12,7 +12,7 @@ policy, and report what each policy achieved (DESIGN.md §7).
                       ReplicaService.GetLoad on every replica  (counters after)
     table: requests, errors, hit rate = delta hits / delta queries (tokens, the replicas' own
            counters), TTFT p50/p99 and TPOT p50 (client side), requests per replica; next to it the
-           bounds computed from the hash ids alone (kvroute.trace.hit_rate_bounds)
+           bounds computed from the hash ids alone (kvroute_tools.trace.hit_rate_bounds)
 
 Policies can take turns (``--interleave N``: N requests under one, the same N under the next, then
 the next N, ...), so that drift in the machine's load (neighbours, thermal, a noisy CI box) hits
@@ -47,8 +47,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvroute.client import describe_rpc_error
-from kvroute.trace import BUNDLED_TRACE, TraceRequest, TraceTokenizer, hit_rate_bounds, load_mooncake
+from kvroute_tools.client import describe_rpc_error
+from kvroute_tools.trace import BUNDLED_TRACE, TraceRequest, TraceTokenizer, hit_rate_bounds, load_mooncake
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb

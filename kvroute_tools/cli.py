@@ -11,10 +11,10 @@ torch (DESIGN.md §1).
                                                  flags are RouterSettings' (kvroute router --help)
     kvroute up [--replicas N] [...] [-- CMD ...]  redis + N replicas + a router on this machine until
                                                  Ctrl-C (or, with CMD, until CMD ends; {target} in CMD
-                                                 becomes the router's host:port) -- kvroute.cluster
-    kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute.client
+                                                 becomes the router's host:port) -- kvroute_tools.cluster
+    kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute_tools.client
     kvroute bench [--trace F] [--target H:P]     replay a Mooncake trace through a running cluster per
-                                                 routing policy and print the table -- kvroute.bench
+                                                 routing policy and print the table -- kvroute_tools.bench
 
 Argument errors exit 2 with the usage line; a command that cannot reach what it needs exits 1 (up,
 generate) or 2 (bench) with one line saying why.
@@ -31,7 +31,7 @@ import time
 
 def _demo(args: argparse.Namespace) -> int:
     from kvroute.hashing import BlockHasher
-    from kvroute.trace import BUNDLED_TRACE, TraceTokenizer, hit_rate_bounds, load_mooncake
+    from kvroute_tools.trace import BUNDLED_TRACE, TraceTokenizer, hit_rate_bounds, load_mooncake
     from replica.kv import KVCacheManager, SimpleKVRequest
 
     requests = load_mooncake(args.trace or BUNDLED_TRACE, limit=args.requests)
@@ -104,13 +104,13 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvroute.cluster import up_main
+    from kvroute_tools.cluster import up_main
 
     return up_main(args.config, args.after)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvroute.client import generate_main
+    from kvroute_tools.client import generate_main
 
     text = sys.stdin.read() if args.text == "-" else args.text
     return generate_main(
@@ -120,13 +120,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvroute.bench import bench_main
+    from kvroute_tools.bench import bench_main
 
     return bench_main(args.config)
 
 
 def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from kvroute.cluster import ClusterConfig
+    from kvroute_tools.cluster import ClusterConfig
 
     try:
         args.config = ClusterConfig(
@@ -143,7 +143,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from kvroute.client import parse_target
+    from kvroute_tools.client import parse_target
 
     try:
         parse_target(args.target)
@@ -160,9 +160,9 @@ def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from kvroute.bench import BenchConfig
-    from kvroute.client import parse_target
-    from kvroute.trace import BUNDLED_TRACE
+    from kvroute_tools.bench import BenchConfig
+    from kvroute_tools.client import parse_target
+    from kvroute_tools.trace import BUNDLED_TRACE
 
     try:
         parse_target(args.target)

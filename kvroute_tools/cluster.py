@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
-from kvroute.redis_server import find_redis_server, free_port
+from kvroute_tools.redis_server import find_redis_server, free_port
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _POLL_S = 0.2

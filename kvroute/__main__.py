@@ -1,5 +1,0 @@
-import sys
-
-from kvroute.cli import main
-
-sys.exit(main())
