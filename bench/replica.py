@@ -61,12 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
-from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import replica_pb2 as rep_pb  # noqa: E402
 from kvroute.v1 import replica_pb2_grpc as rep_grpc  # noqa: E402
+from kvroute_tools.cluster import wait_serving  # noqa: E402
+from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from replica.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from replica.engine.params import SamplingParams  # noqa: E402
 from replica.server import build_engine  # noqa: E402
@@ -136,11 +136,11 @@ class InProcess:
         self._ids = iter(range(10**9))
 
     async def __aenter__(self) -> InProcess:
-        from replica.publisher import KVEventPublisher, engine_identity
+        from replica.publisher import make_publisher
 
         engine, model = await asyncio.to_thread(build_engine, self.settings)
-        self.publisher = KVEventPublisher(self.redis_url, RedisLayout("bench"), "bench-in-process",
-                                          engine_identity(engine, "in-process", model))
+        self.publisher = make_publisher(self.redis_url, RedisLayout("bench"), "bench-in-process",
+                                        engine.info(model), "in-process")
         self.publisher.start()
         frontend = ReplicaFrontend(replica_id="bench-in-process", max_waiting=self.settings.max_waiting)
         frontend.publisher = self.publisher

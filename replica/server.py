@@ -41,6 +41,7 @@ from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
+from replica.publisher import EventPublisher, make_publisher
 from replica.service import (
     GenerationServicer,
     ModelDescription,
@@ -110,8 +111,6 @@ def make_process_step_hook(
     """The engine process's ``step_hook_factory``: starts the KV event publisher there (when
     ``redis_url`` is set), so that events, snapshots and heartbeats leave from next to the engine.
 
-    Raises:
-        RuntimeError: ``redis_url`` is set but the publisher cannot be imported.
     """
     if not settings.redis_url:
         return ProcessStepHook()
@@ -120,14 +119,12 @@ def make_process_step_hook(
     return ProcessStepHook(pub)
 
 
-def _make_publisher(settings: ReplicaSettings, engine: Any, address: str, replica_id: str, model_name: str) -> Any:
+def _make_publisher(
+    settings: ReplicaSettings, engine: Any, address: str, replica_id: str, model_name: str
+) -> EventPublisher:
     s = settings
-    try:
-        from replica.publisher import KVEventPublisher, engine_identity
-    except ImportError as e:
-        raise RuntimeError(f"redis_url: set, but the KV event publisher is unavailable ({e})") from e
-    return KVEventPublisher(
-        s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine_identity(engine, address, model_name),
+    return make_publisher(
+        s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
         buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
     )

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.heartbeat import EngineLoad
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context
 from kvroute.tokenizer import ChatTemplateError
@@ -547,15 +548,12 @@ class ReplicaFrontend:
         return int(self.publisher.last_seq)
 
 
-def load_fields(sample: EngineSample) -> dict[str, int | float]:
-    """The load part of a heartbeat (``replica.publisher.LOAD_FIELDS``) from a sample."""
-    return {
-        "free_blocks": sample.free_blocks,
-        "running": sample.running,
-        "waiting": sample.waiting,
-        "usage": sample.kv_usage,
-        "queued_prefill_tokens": sample.queued_prefill_tokens,
-    }
+def load_fields(sample: EngineSample) -> EngineLoad:
+    """The load part of a heartbeat from a sample."""
+    return EngineLoad(
+        free_blocks=sample.free_blocks, running=sample.running, waiting=sample.waiting, usage=sample.kv_usage,
+        queued_prefill_tokens=sample.queued_prefill_tokens,
+    )
 
 
 # -- the servicers ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher, BlockHashKeys
 from replica.attention import kv_cache_block_bytes
@@ -147,6 +148,15 @@ class LLMEngine:
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text prompt (the tokenizer's BOS rule applies)."""
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def info(self, model: str) -> EngineInfo:
+        """This engine's identity and limits, served under the name ``model``."""
+        algorithm, seed_digest, block_size = self.hasher.identity
+        return EngineInfo(
+            model=model, vocab_size=self.vocab_size, max_model_len=self.max_model_len, block_size=block_size,
+            num_blocks=self.num_blocks, hash_algorithm=algorithm, hash_seed_digest=seed_digest,
+            eos_token_id=self.eos_token_id, extra_eos_token_ids=tuple(self.extra_eos_token_ids),
+        )
 
     def make_request(
         self,

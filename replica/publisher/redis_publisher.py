@@ -1,4 +1,4 @@
-"""KVEventPublisher: the replica's only writer to Redis (DESIGN.md §3.3, §4).
+"""RedisEventPublisher: the replica's only writer to Redis (DESIGN.md §3.3, §4).
 
     engine thread (never blocks)                         publisher thread (all network I/O)
     ────────────────────────────                         ─────────────────────────────────
@@ -25,27 +25,26 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
-from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, HEARTBEAT_FIELDS, RedisLayout
+from kvroute.heartbeat import EngineLoad, Heartbeat
+from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.v1 import events_pb2
+from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
 
 log = logging.getLogger(__name__)
-
-IDENTITY_FIELDS = ("address", "model", "block_size", "hash_algorithm", "hash_seed_digest", "num_blocks")
-LOAD_FIELDS = ("free_blocks", "running", "waiting", "usage", "queued_prefill_tokens")
-
-SnapshotFn = Callable[[], Mapping[str, Sequence[int]]]
 
 _MAX_BACKOFF_S = 1.0
 _MIN_BACKOFF_S = 0.05
@@ -67,7 +66,7 @@ class _Snapshot:
         self.seq, self.media, self.ts = seq, media, ts
 
 
-class KVEventPublisher:
+class RedisEventPublisher(EventPublisher):
     """Publishes one replica's KV event batches, snapshots and heartbeats to Redis.
 
     Owns the bounded buffer between the engine thread and the publisher thread and the seq
@@ -79,7 +78,8 @@ class KVEventPublisher:
         redis_url: where to publish (``redis://host:port/db``).
         layout: the cluster's key layout.
         replica_id: this replica's id in the cluster.
-        identity: the heartbeat's identity fields (``IDENTITY_FIELDS``), as strings or numbers.
+        info: the engine's identity (its heartbeat part goes into every heartbeat).
+        address: where this replica serves gRPC (``host:port``), for the heartbeat.
         epoch: default ``time.time_ns()`` when the publisher is made (one publisher per replica start).
         heartbeat_interval: seconds between heartbeats; the key lives 3 intervals.
         snapshot_interval: seconds between periodic snapshots.
@@ -87,11 +87,9 @@ class KVEventPublisher:
         stream_maxlen: approximate MAXLEN of the event stream.
 
     Raises:
-        ValueError: a missing identity field or a non-positive interval / size.
+        ValueError: a non-positive interval / size.
 
-    Stats (read from any thread): ``batches_published``, ``events_published``,
-    ``batches_dropped``, ``snapshots_written``, ``connected``, ``last_seq_written``,
-    ``reconnects``; ``last_seq`` is the last seq assigned.
+    Stats: :meth:`stats` (any thread).
     """
 
     def __init__(
@@ -99,7 +97,8 @@ class KVEventPublisher:
         redis_url: str,
         layout: RedisLayout,
         replica_id: str,
-        identity: Mapping[str, Any],
+        info: EngineInfo,
+        address: str,
         *,
         epoch: int | None = None,
         heartbeat_interval: float = 1.0,
@@ -107,9 +106,6 @@ class KVEventPublisher:
         buffer_size: int = 10000,
         stream_maxlen: int = 100000,
     ):
-        missing = [f for f in IDENTITY_FIELDS if f not in identity]
-        if missing:
-            raise ValueError(f"identity: missing {', '.join(missing)}")
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
         if buffer_size < 1 or stream_maxlen < 1:
@@ -117,8 +113,11 @@ class KVEventPublisher:
         self.redis_url = redis_url
         self.layout = layout
         self.replica_id = replica_id
-        self.identity = {f: str(identity[f]) for f in IDENTITY_FIELDS}
         self.epoch = time.time_ns() if epoch is None else int(epoch)
+        self._heartbeat = Heartbeat.of(
+            info, replica_id=replica_id, address=address, epoch=self.epoch, last_seq=0,
+            load=EngineLoad(free_blocks=max(info.num_blocks - 1, 0)), ts=0.0,
+        )
         self.heartbeat_interval = heartbeat_interval
         self.snapshot_interval = snapshot_interval
         self.buffer_size = buffer_size
@@ -138,17 +137,7 @@ class KVEventPublisher:
         self._num_buffered_batches = 0
         self._snapshot_wanted = threading.Event()
         self._snapshot_wanted.set()  # the first snapshot of the epoch
-        try:
-            num_blocks = int(self.identity["num_blocks"])
-        except ValueError:
-            num_blocks = 1
-        self._load: dict[str, Any] = {
-            "free_blocks": max(num_blocks - 1, 0),
-            "running": 0,
-            "waiting": 0,
-            "usage": 0.0,
-            "queued_prefill_tokens": 0,
-        }
+        self._load = self._heartbeat.load
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -195,6 +184,14 @@ class KVEventPublisher:
         """Batches that never reached Redis (their seqs are gaps in the stream)."""
         return self._dropped_on_step + self._dropped_on_write
 
+    def stats(self) -> PublisherStats:
+        return PublisherStats(
+            last_seq=self.last_seq, batches_published=self.batches_published,
+            events_published=self.events_published, batches_dropped=self.batches_dropped,
+            snapshots_written=self.snapshots_written, last_seq_written=self.last_seq_written,
+            reconnects=self.reconnects, connected=self.connected,
+        )
+
     def request_snapshot(self) -> None:
         """Ask for a snapshot after the next engine step (thread-safe; the RequestSnapshot rpc)."""
         self._snapshot_wanted.set()
@@ -204,28 +201,23 @@ class KVEventPublisher:
         """``AsyncLLMEngine`` step hook: take the step's events and load from an ``LLMEngine``."""
         try:
             kv = engine.kv
-            load = {
-                "free_blocks": kv.num_free_blocks,
-                "running": engine.num_running,
-                "waiting": engine.num_waiting,
-                "usage": engine.usage,
-                "queued_prefill_tokens": engine.scheduler.queued_prefill_tokens,
-            }
+            load = EngineLoad(
+                free_blocks=kv.num_free_blocks, running=engine.num_running, waiting=engine.num_waiting,
+                usage=engine.usage, queued_prefill_tokens=engine.scheduler.queued_prefill_tokens,
+            )
             events = engine.take_kv_events()
         except Exception:  # noqa: BLE001 - never raise into the engine
             log.exception("kv publisher: reading the engine failed")
             return
         self.on_step(events, load, kv.cached_event_hashes)
 
-    def on_step(
-        self, events: Sequence[KVCacheEvent], load: Mapping[str, Any], snapshot_fn: SnapshotFn
-    ) -> None:
+    def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
         """Queue one engine step's events (if any) and, when one is wanted, a snapshot.
 
         Runs on the engine thread after each step: no network I/O, never blocks, never raises.
         """
         try:
-            self._load = dict(load)
+            self._load = load
             if events:
                 self._enqueue_batch(events)
             now = time.monotonic()
@@ -355,18 +347,11 @@ class KVEventPublisher:
 
     def _write_heartbeat(self) -> None:
         assert self._client is not None
-        load = self._load
-        fields = {
-            "replica_id": self.replica_id,
-            "epoch": str(self.epoch),
-            "last_seq": str(self.last_seq_written),
-            **self.identity,
-            **{f: str(load.get(f, 0)) for f in LOAD_FIELDS},
-            "ts": repr(time.time()),
-        }
-        assert set(fields) == set(HEARTBEAT_FIELDS), "heartbeat fields drifted from kvroute.redis_layout"
+        heartbeat = dataclasses.replace(
+            self._heartbeat, last_seq=self.last_seq_written, load=self._load, ts=time.time()
+        )
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(self._hb_key, mapping=fields)
+        pipe.hset(self._hb_key, mapping=heartbeat.to_redis())
         pipe.pexpire(self._hb_key, self._ttl_ms)
         pipe.execute()
 
@@ -435,17 +420,4 @@ class KVEventPublisher:
         return msg.SerializeToString()
 
 
-def engine_identity(engine: Any, address: str, model: str) -> dict[str, str]:
-    """The heartbeat identity of an ``LLMEngine`` served at ``address``."""
-    algorithm, seed_digest, block_size = engine.hasher.identity
-    return {
-        "address": address,
-        "model": model,
-        "block_size": str(block_size),
-        "hash_algorithm": algorithm,
-        "hash_seed_digest": seed_digest,
-        "num_blocks": str(engine.num_blocks),
-    }
-
-
-__all__ = ["IDENTITY_FIELDS", "LOAD_FIELDS", "KVEventPublisher", "engine_identity"]
+__all__ = ["RedisEventPublisher"]

@@ -1,0 +1,151 @@
+"""The replica heartbeat: one record, written by replicas and read by routers (DESIGN.md §4).
+
+    replica publisher ──Heartbeat.to_redis()──▶ HSET kvroute:{ns}:replica:{id} (+ PEXPIRE 3 intervals)
+    router consumer  ◀──Heartbeat.from_redis()── HGETALL
+
+Every field is a string in Redis. A heartbeat carries the replica's position in its event stream
+(``epoch``, ``last_seq`` written), its identity (the served model and the hash triple the router
+checks before routing to it, DESIGN.md §2) and its load after the latest engine step
+(:class:`EngineLoad`). Expiry of the key means the replica is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvroute.engine_info import EngineInfo
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A replica's load after one engine step: the part of the heartbeat that changes every step.
+
+    ``free_blocks`` counts KV blocks not in use (cached-but-free ones included); ``usage`` is
+    ``1 - free / (num_blocks - 1)`` in [0, 1]; ``queued_prefill_tokens`` is the prompt work the
+    scheduler still has queued, in tokens.
+    """
+
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    usage: float = 0.0
+    queued_prefill_tokens: int = 0
+
+
+_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks")
+_LOAD_INT_FIELDS = ("free_blocks", "running", "waiting", "queued_prefill_tokens")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One replica heartbeat, as the Redis hash ``kvroute:{ns}:replica:{replica_id}`` holds it.
+
+    Attributes:
+        replica_id, address: who the replica is and where it serves gRPC (``host:port``).
+        epoch: the publisher's epoch (``time_ns`` at replica start); ``last_seq``: the last batch
+            seq written to the event stream in that epoch.
+        model, block_size, hash_algorithm, hash_seed_digest, num_blocks: the replica's identity
+            (:class:`kvroute.engine_info.EngineInfo`'s heartbeat part).
+        load: the latest :class:`EngineLoad`.
+        ts: the replica's wall clock when written (Unix seconds).
+        invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse (those read as
+            0); a heartbeat with any is not routable. Never written.
+    """
+
+    replica_id: str
+    address: str = ""
+    epoch: int = 0
+    last_seq: int = 0
+    model: str = ""
+    block_size: int = 0
+    hash_algorithm: str = ""
+    hash_seed_digest: str = ""
+    num_blocks: int = 0
+    load: EngineLoad = field(default_factory=EngineLoad)
+    ts: float = 0.0
+    invalid: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, info: EngineInfo, *, replica_id: str, address: str, epoch: int, last_seq: int, load: EngineLoad,
+        ts: float,
+    ) -> Heartbeat:
+        """The heartbeat of an engine described by ``info``."""
+        return cls(
+            replica_id=replica_id, address=address, epoch=epoch, last_seq=last_seq, model=info.model,
+            block_size=info.block_size, hash_algorithm=info.hash_algorithm,
+            hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, load=load, ts=ts,
+        )
+
+    @property
+    def hash_identity(self) -> tuple[str, str, int]:
+        """(hash algorithm, seed digest, block_size): what must equal the router's own."""
+        return self.hash_algorithm, self.hash_seed_digest, self.block_size
+
+    def to_redis(self) -> dict[str, str]:
+        """The hash fields to HSET (every one of :data:`FIELDS`, as strings)."""
+        load = self.load
+        return {
+            "replica_id": self.replica_id,
+            "address": self.address,
+            "epoch": str(self.epoch),
+            "last_seq": str(self.last_seq),
+            "model": self.model,
+            "block_size": str(self.block_size),
+            "hash_algorithm": self.hash_algorithm,
+            "hash_seed_digest": self.hash_seed_digest,
+            "num_blocks": str(self.num_blocks),
+            "free_blocks": str(load.free_blocks),
+            "running": str(load.running),
+            "waiting": str(load.waiting),
+            "usage": repr(float(load.usage)),
+            "queued_prefill_tokens": str(load.queued_prefill_tokens),
+            "ts": repr(float(self.ts)),
+        }
+
+    @classmethod
+    def from_redis(cls, fields: Mapping[str, str] | Mapping[bytes, bytes]) -> Heartbeat:
+        """Parse an HGETALL result (str or bytes keys and values). Heartbeats are untrusted input:
+        a field that does not parse reads as 0 and is listed in ``invalid``; a missing one reads as
+        its default.
+
+        Raises:
+            ValueError: ``replica_id`` is missing or empty (the record names nobody).
+        """
+        text = {
+            (k.decode(errors="replace") if isinstance(k, bytes) else k): (
+                v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+            )
+            for k, v in fields.items()
+        }
+        replica_id = text.get("replica_id", "")
+        if not replica_id:
+            raise ValueError("heartbeat: missing replica_id")
+        bad: list[str] = []
+
+        def number(name: str, kind: type[int] | type[float]) -> int | float:
+            raw = text.get(name, "")
+            try:
+                return kind(raw or 0)
+            except ValueError:
+                bad.append(f"{name}={raw!r}")
+                return kind(0)
+
+        ints = {name: int(number(name, int)) for name in _INT_FIELDS}
+        load = EngineLoad(
+            **{name: int(number(name, int)) for name in _LOAD_INT_FIELDS}, usage=float(number("usage", float))
+        )
+        ts = float(number("ts", float))
+        return cls(
+            replica_id=replica_id, address=text.get("address", ""), model=text.get("model", ""),
+            hash_algorithm=text.get("hash_algorithm", ""), hash_seed_digest=text.get("hash_seed_digest", ""),
+            load=load, ts=ts, invalid=tuple(bad), **ints,
+        )
+
+
+FIELDS: tuple[str, ...] = tuple(Heartbeat(replica_id="x").to_redis())
+"""The names of a heartbeat hash's fields, in the order :meth:`Heartbeat.to_redis` writes them."""
+
+
+__all__ = ["FIELDS", "EngineLoad", "Heartbeat"]
