@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from kvroute_tools.cluster import wait_serving  # noqa: E402
+from kvroute_tools.supervise import wait_serving  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
