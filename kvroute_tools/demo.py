@@ -72,9 +72,8 @@ def replay(prompts: list[list[int]], policy_name: str, *, replicas: int, num_blo
         for k, uncached in in_flight:
             queued[k] += uncached
             running[k] += 1
-        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight)
-        cands = [Candidate(ids[k], Match(gpu=len(hits[k].blocks)), queued[k], running[k], running[k])
-                 for k in range(replicas)]
+        cands = [Candidate(ids[k], Match(gpu=len(hits[k].blocks)), queued_prefill_tokens=queued[k],
+                           running=running[k], in_flight=running[k]) for k in range(replicas)]
         pick, _ = policy.choose(cands, RequestShape(len(tokens), block_size))
         k = ids.index(pick.replica_id)
         hit = hits[k]
