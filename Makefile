@@ -1,6 +1,6 @@
 # Two commands for a fresh Linux machine with Python 3.11 and make:
 #   make run   - the main job: a local cluster replaying the bundled trace under two routing policies
-#   make test  - the test suite
+#   make test  - the layering contracts (lint-imports), then the test suite
 # Both create or reuse the local virtualenv .venv.
 PYTHON ?= python3
 VENV   := .venv
@@ -32,7 +32,10 @@ run: venv
 	  $(PY) -m kvroute_tools bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
 	  --concurrency 16 --interleave 200 --policies kvroute,round_robin
 
+# The layering contracts first (import-linter, [tool.importlinter] in pyproject.toml): a broken
+# one fails the target before the suite runs.
 test: venv
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider
 
 proto: venv

@@ -65,7 +65,7 @@ from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import replica_pb2 as rep_pb  # noqa: E402
 from kvroute.v1 import replica_pb2_grpc as rep_grpc  # noqa: E402
-from kvroute_tools.cluster import wait_serving  # noqa: E402
+from kvroute_tools.supervise import wait_serving  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from replica.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from replica.engine.params import SamplingParams  # noqa: E402

@@ -77,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from kvroute_tools.cluster import wait_serving  # noqa: E402
+from kvroute_tools.supervise import wait_serving  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402

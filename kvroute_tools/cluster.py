@@ -1,58 +1,47 @@
-"""``kvroute up``: a whole cluster on this machine as supervised child processes (DESIGN.md §7).
+"""``kvroute up``'s cluster: redis, N replicas and a router as supervised child processes on this
+machine (DESIGN.md §7), started in order and stopped in order.
 
-    up ─▶ redis-server (embedded, unless --redis-url) ─▶ default model generated once (a child
-       ─▶ N x `python -m replica` + `python -m router`   python, so that N replicas don't race to
-       ─▶ ready: every grpc.health.v1 "readiness" SERVING  write it and `up` stays torch-free)
-              and the router sees all N replicas routable (RouterService.Score)
-       ─▶ banner (endpoints, examples) ─▶ wait for Ctrl-C / SIGTERM, a child's death, or the end of
-          the command given after `--` ─▶ stop
+    start ─▶ redis-server (embedded, unless --redis-url)
+          ─▶ the model resolved once (kvroute_tools.resolve_model in a child python: N replicas
+             don't race to write the default model, and `up` stays torch-free)
+          ─▶ N x `python -m replica` + `python -m router`
+          ─▶ ready: every grpc.health.v1 "readiness" SERVING, and the router sees all N replicas
+             routable (RouterService.Score)
 
 Stopping (``LocalCluster.stop``, idempotent): SIGTERM to the router's and the replicas' process
 groups at once, wait, SIGKILL what is left; then the same for redis, last, so that the replicas'
 publishers close against a live server. Every child runs in its own session (process group), so
 a terminal's Ctrl-C reaches only ``up``, which stops them in order, and whatever a child spawned
 goes with its group. ``stop`` also runs at exit (atexit) when ``up`` fails, and on Linux every child
-gets SIGTERM if ``up`` itself dies without cleaning up (``PR_SET_PDEATHSIG``). Each child's output
+gets SIGTERM if ``up`` itself dies without cleaning up (kvroute_tools.supervise). Each child's output
 goes to ``{log_dir}/{name}.log``; the banner prints the paths and a failure prints the tail.
 
 Imports no replica/router code and no torch: they run as ``python -m replica`` / ``python -m router``.
+The wait after the start, the command after ``--`` and the exit codes of ``kvroute up`` are
+kvroute_tools.up's.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import os
-import shlex
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.redis_server import find_redis_server, free_port
+from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
 
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_POLL_S = 0.2
 EXAMPLE_PROMPT = "The harbour town woke before the sun."
-
-# Resolves (and on first use generates) the model exactly as a replica does: replica.server's own
-# resolution, in a child python so that `up` never imports torch.
-_RESOLVE_MODEL = (
-    "import sys\n"
-    "from replica.server import resolve_model_dir\n"
-    "from replica.settings import ReplicaSettings\n"
-    "print(resolve_model_dir(ReplicaSettings(model=sys.argv[1], model_cache_dir=sys.argv[2]))[0])\n"
-)
 
 
 class ClusterError(RuntimeError):
@@ -108,123 +97,6 @@ class ClusterConfig:
     def dial_host(self) -> str:
         return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
 
-
-def _pdeathsig_preexec():
-    """Linux: a ``preexec_fn`` that makes the child get SIGTERM when the process that started it dies
-    (even by SIGKILL): ``prctl(PR_SET_PDEATHSIG, SIGTERM)``. The libc symbol is looked up here, in
-    the parent, so that the child, between fork and exec, only makes the call. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:  # pragma: no cover - runs in the child
-        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-    return preexec
-
-
-class Child:
-    """One supervised process in its own session; output appended to ``log_path``."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, target: str = ""):
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_path
-        self.target = target  # host:port it serves gRPC on ("" for redis)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Child:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_pdeathsig_preexec(),
-            )
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def returncode(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the child's process group (its session: the child and anything it spawned)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def _stop_all(children: Sequence[Child], timeout: float) -> None:
-    """SIGTERM every group, wait up to ``timeout`` seconds, SIGKILL the rest (and their groups)."""
-    for c in children:
-        if c.running():
-            c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for c in children:
-        if c.proc is None:
-            continue
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(max(deadline - time.monotonic(), 0.01))
-    for c in children:
-        if c.proc is None:
-            continue
-        c.signal_group(signal.SIGKILL)  # stragglers, and anything the child left in its group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(5)
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _health(stub: health_pb2_grpc.HealthStub, service: str = "readiness") -> int | None:
-    try:
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status
-    except grpc.RpcError:
-        return None
-
-
-def wait_serving(target: str, proc: subprocess.Popen, what: str, timeout: float = 120.0,
-                 details: Callable[[], str] = lambda: "") -> None:
-    """Poll ``target``'s grpc.health.v1 ``readiness`` until SERVING (one child process; ``LocalCluster``
-    waits for several at once).
-
-    Raises:
-        RuntimeError: ``proc`` exited first, or ``timeout`` seconds passed (then ``proc`` is killed);
-            the message ends with ``details()`` (e.g. the child's log).
-    """
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while _health(stub) != _SERVING:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with status {proc.returncode}:\n{details()}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"{what} not ready within {timeout:.0f} s:\n{details()}")
-            time.sleep(_POLL_S)
 
 
 class LocalCluster:
@@ -288,12 +160,12 @@ class LocalCluster:
     def _ports(self) -> tuple[int, list[int]]:
         cfg = self.config
         router_port = cfg.router_port or free_port(cfg.dial_host)
-        if cfg.router_port and not _port_free(cfg.host, router_port):
+        if cfg.router_port and not port_free(cfg.host, router_port):
             raise ClusterError(f"--router-port: port {router_port} on {cfg.host} is taken (another `kvroute up`?); "
                                "pass another one, or 0 for a free one")
         if cfg.base_port:
             ports = [cfg.base_port + i for i in range(cfg.replicas)]
-            taken = [p for p in ports if not _port_free(cfg.host, p)]
+            taken = [p for p in ports if not port_free(cfg.host, p)]
             if taken:
                 raise ClusterError(f"--base-port: port(s) {', '.join(map(str, taken))} on {cfg.host} are taken")
         else:
@@ -335,7 +207,7 @@ class LocalCluster:
         self.log("kvroute up: resolving the model (the default one is generated on first use) ...", flush=True)
         try:
             proc = subprocess.run(
-                [cfg.python, "-c", _RESOLVE_MODEL, cfg.model, cfg.model_cache_dir],
+                [cfg.python, "-m", "kvroute_tools.resolve_model", cfg.model, cfg.model_cache_dir],
                 capture_output=True, text=True, timeout=600,
             )
         except subprocess.TimeoutExpired as e:
@@ -382,7 +254,7 @@ class LocalCluster:
                 for name, c in list(pending.items()):
                     if not c.running():
                         raise ClusterError(self._died(c, "while starting"))
-                    if _health(health_pb2_grpc.HealthStub(channels[name])) == _SERVING:
+                    if health(health_pb2_grpc.HealthStub(channels[name])) == SERVING:
                         del pending[name]
                         self.log(f"  {name} ready ({c.target})", flush=True)
                 if pending and time.monotonic() > deadline:
@@ -390,7 +262,7 @@ class LocalCluster:
                     raise ClusterError(f"not ready within {self.config.ready_timeout:.0f} s: {names} "
                                        f"(logs in {self.log_dir}); raise --ready-timeout on a slow machine")
                 if pending:
-                    time.sleep(_POLL_S)
+                    time.sleep(POLL_S)
         finally:
             for ch in channels.values():
                 ch.close()
@@ -420,7 +292,7 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"the router does not see every replica routable within "
                                        f"{self.config.ready_timeout:.0f} s ({last}); logs in {self.log_dir}")
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
 
     # -- run -------------------------------------------------------------------------------------
     def first_death(self) -> Child | None:
@@ -460,92 +332,10 @@ class LocalCluster:
         self._stopped = True
         with contextlib.suppress(ValueError):
             atexit.unregister(self.stop)
-        _stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
+        stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
         if self.redis is not None:
-            _stop_all([self.redis], 5.0)
+            stop_all([self.redis], 5.0)
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception in the main thread (like KeyboardInterrupt for SIGINT)."""
 
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
-def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
-    """The command with ``{target}`` (the router's host:port) and ``{redis_url}`` filled in."""
-    return [a.replace("{target}", cluster.router_target).replace("{redis_url}", cluster.redis_url) for a in command]
-
-
-def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:
-    """``kvroute up``: start, print the banner, then wait for Ctrl-C / SIGTERM (exit 0) or a child's
-    death (exit 1); with ``command``, run it once ready (``{target}`` filled in), stop, and exit with
-    its status (130 when Ctrl-C / SIGTERM cut it short). Exit 1 when the cluster cannot start, with
-    the reason."""
-    out = out or sys.stdout
-
-    def log(*a: object, flush: bool = False) -> None:
-        print(*a, file=out, flush=flush)
-
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    # A job started in the background by a script inherits SIGINT ignored, and Python then installs
-    # no Ctrl-C handler: take SIGINT explicitly so `kill -INT` stops the cluster there too.
-    previous_int_handler = signal.signal(signal.SIGINT, _raise_terminated)
-    cluster = LocalCluster(config, log=log)
-    cmd_proc: subprocess.Popen | None = None
-    rc = 0
-    started = False
-    t0 = time.monotonic()
-    try:
-        try:
-            cluster.start()
-        except ClusterError as e:
-            print(f"kvroute up: {e}", file=sys.stderr, flush=True)
-            return 1
-        started = True
-        log(cluster.banner(), flush=True)
-        log(f"kvroute up: ready in {time.monotonic() - t0:.1f} s"
-            + ("" if command else "; Ctrl-C (or SIGTERM) stops everything"), flush=True)
-        if command:
-            argv = substitute(command, cluster)
-            log(f"kvroute up: running {shlex.join(argv)}", flush=True)
-            cmd_proc = subprocess.Popen(argv, preexec_fn=_pdeathsig_preexec())
-        while True:
-            if cmd_proc is not None and cmd_proc.poll() is not None:
-                rc = cmd_proc.returncode
-                break
-            dead = cluster.first_death()
-            if dead is not None:
-                print(f"kvroute up: {cluster.describe_death(dead)}\nkvroute up: stopping the cluster",
-                      file=sys.stderr, flush=True)
-                rc = 1
-                break
-            time.sleep(0.5)
-    except (KeyboardInterrupt, _Terminated):
-        log("\nkvroute up: stopping ...", flush=True)
-        if cmd_proc is not None:
-            rc = 130  # the command was cut short
-    finally:
-        # One orderly stop (bounded by stop_timeout + a few seconds): a second Ctrl-C or SIGTERM
-        # must not cut it short and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        t_stop = time.monotonic()
-        if cmd_proc is not None and cmd_proc.poll() is None:
-            cmd_proc.terminate()
-            try:
-                cmd_proc.wait(config.stop_timeout)
-            except subprocess.TimeoutExpired:
-                cmd_proc.kill()
-                cmd_proc.wait()
-        cluster.stop()
-        if started:
-            log(f"kvroute up: stopped {len(cluster.children)} processes in {time.monotonic() - t_stop:.1f} s",
-                flush=True)
-        signal.signal(signal.SIGINT, previous_int_handler)
-        signal.signal(signal.SIGTERM, previous)
-    return rc
-
-
-__all__ = ["Child", "ClusterConfig", "ClusterError", "LocalCluster", "substitute", "up_main"]
+__all__ = ["EXAMPLE_PROMPT", "ClusterConfig", "ClusterError", "LocalCluster"]

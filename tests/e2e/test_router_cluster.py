@@ -29,15 +29,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests.support import wait_for
 
-from kvroute_tools.redis_server import RedisServer, free_port
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
+from kvroute_tools.redis_server import RedisServer, free_port
+from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from kvroute_tools.bench import BenchConfig, BenchReport, PolicyResult, RequestResult, format_report, plan_requests
+from kvroute_tools.bench.config import BenchConfig
+from kvroute_tools.bench.plan import plan_requests
+from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report
 from kvroute_tools.client import describe_rpc_error
-from kvroute_tools.cluster import ClusterConfig, LocalCluster, substitute
+from kvroute_tools.cluster import ClusterConfig, LocalCluster
 from kvroute_tools.trace import TraceRequest, TraceTokenizer
+from kvroute_tools.up import substitute
 
 
 def _req(ts: float, n: int, out: int, ids: tuple[int, ...]) -> TraceRequest:

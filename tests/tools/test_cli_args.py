@@ -103,7 +103,8 @@ def test_up_refuses_an_unreachable_redis_url(capsys):
 
 def test_cli_modules_import_no_torch_replica_or_router():
     code = (
-        "import sys, kvroute_tools.cli, kvroute_tools.cluster, kvroute_tools.client, kvroute_tools.bench\n"
+        "import sys, kvroute_tools.cli, kvroute_tools.cluster, kvroute_tools.up, kvroute_tools.supervise, "
+        "kvroute_tools.client, kvroute_tools.bench.run\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'replica', 'router', 'matplotlib'))\n"
         "print(bad)\n"
     )

@@ -1,4 +1,4 @@
-"""kvroute_tools.cluster.wait_serving: returns once a child's grpc.health.v1 readiness is SERVING, fails
+"""kvroute_tools.supervise.wait_serving: returns once a child's grpc.health.v1 readiness is SERVING, fails
 with the child's details when it exits first or never gets ready."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvroute_tools.cluster import wait_serving
 from kvroute_tools.redis_server import free_port
+from kvroute_tools.supervise import wait_serving
 
 
 def test_returns_when_readiness_turns_serving():

@@ -1,4 +1,4 @@
-"""``kvroute bench``: replay a Mooncake-format trace through a running cluster, once per routing
+"""``kvroute bench``'s run: replay a Mooncake-format trace through a running cluster, once per routing
 policy, and report what each policy achieved (DESIGN.md §7).
 
     trace lines ──TraceTokenizer──▶ prompts (hash id -> fixed block of tokens: equal ids, equal prefixes)
@@ -33,28 +33,26 @@ Kubernetes Service), the hit rate falls back to the responses' usage: cached / p
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import secrets
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
-from kvroute_tools.client import describe_rpc_error
-from kvroute_tools.trace import BUNDLED_TRACE, TraceRequest, TraceTokenizer, hit_rate_bounds, load_mooncake
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
+from kvroute_tools.bench.config import BenchConfig
+from kvroute_tools.bench.plan import PlannedRequest, plan_requests
+from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report, write_outputs
+from kvroute_tools.client import describe_rpc_error
+from kvroute_tools.trace import TraceTokenizer, hit_rate_bounds, load_mooncake
 
 _RPC_TIMEOUT_S = 10.0
 
@@ -63,193 +61,6 @@ class BenchError(Exception):
     """The bench cannot run (the message says why and names the flag or the target)."""
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """``kvroute bench`` flags (see ``kvroute bench --help``)."""
-
-    target: str
-    trace: str = str(BUNDLED_TRACE)
-    requests: int | None = 1000
-    tokens_per_block: int = 16
-    output_scale: float = 0.02
-    max_output_tokens: int = 256
-    time_scale: float | None = None
-    concurrency: int | None = None
-    policies: tuple[str, ...] = ("kvroute", "round_robin")
-    interleave: int = 0  # policies take turns every N requests (0: each runs the whole trace in turn)
-    out: str | None = None
-    request_timeout: float = 300.0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.requests is not None and self.requests < 1:
-            raise ValueError(f"--requests: must be >= 1, got {self.requests}")
-        if self.tokens_per_block < 1:
-            raise ValueError(f"--tokens-per-block: must be >= 1, got {self.tokens_per_block}")
-        if not (self.output_scale > 0 and math.isfinite(self.output_scale)):
-            raise ValueError(f"--output-scale: must be > 0, got {self.output_scale}")
-        if self.max_output_tokens < 1:
-            raise ValueError(f"--max-output-tokens: must be >= 1, got {self.max_output_tokens}")
-        if self.time_scale is not None and not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
-            raise ValueError(f"--time-scale: must be >= 0, got {self.time_scale}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"--concurrency: must be >= 1, got {self.concurrency}")
-        if not self.policies or any(not p for p in self.policies):
-            raise ValueError(f"--policies: expected comma-separated policy names, got {','.join(self.policies)!r}")
-        if len(set(self.policies)) != len(self.policies):
-            raise ValueError(f"--policies: a policy is listed twice ({','.join(self.policies)})")
-        if self.interleave < 0:
-            raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
-
-    @property
-    def mode(self) -> str:
-        """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
-        turns = f"; policies take turns every {self.interleave} requests" if self.interleave else ""
-        if self.time_scale is None:
-            return f"closed loop, concurrency {self.effective_concurrency}{turns}"
-        cap = f", at most {self.concurrency} in flight" if self.concurrency else ""
-        return f"open loop, trace timestamps x {self.time_scale:g}{cap}{turns}"
-
-    @property
-    def effective_concurrency(self) -> int | None:
-        if self.time_scale is None:
-            return self.concurrency or 8
-        return self.concurrency
-
-
-@dataclass(frozen=True)
-class PlannedRequest:
-    """One trace request made concrete: when it is sent (seconds after the start), its prompt and
-    how many tokens it generates."""
-
-    index: int
-    arrival_s: float
-    token_ids: list[int]
-    max_tokens: int
-
-
-@dataclass
-class RequestResult:
-    index: int
-    error: str | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    latency_s: float | None = None
-    replica_id: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    predicted_cached_tokens: int = 0
-
-
-@dataclass
-class PolicyResult:
-    """One policy's run. ``hit_rate`` is the replicas' counters' delta (``hit_rate_source``
-    "replica counters"), or cached / prompt tokens of the responses when a replica was unreachable."""
-
-    policy: str
-    cache_salt: str
-    wall_s: float
-    results: list[RequestResult]
-    prefix_cache_queries: int | None
-    prefix_cache_hits: int | None
-    preemptions: int | None
-
-    @property
-    def ok(self) -> list[RequestResult]:
-        return [r for r in self.results if r.error is None]
-
-    @property
-    def errors(self) -> int:
-        return len(self.results) - len(self.ok)
-
-    @property
-    def hit_rate_source(self) -> str:
-        return "replica counters" if self.prefix_cache_queries else "response usage"
-
-    @property
-    def hit_rate(self) -> float:
-        if self.prefix_cache_queries:
-            return (self.prefix_cache_hits or 0) / self.prefix_cache_queries
-        prompt = sum(r.prompt_tokens for r in self.ok)
-        return sum(r.cached_tokens for r in self.ok) / prompt if prompt else 0.0
-
-    def percentile(self, attr: str, q: float) -> float | None:
-        values = [getattr(r, attr) for r in self.ok if getattr(r, attr) is not None]
-        return float(np.percentile(values, q)) if values else None
-
-    def share(self) -> dict[str, int]:
-        return dict(sorted(Counter(r.replica_id for r in self.ok).items()))
-
-    def prediction_accuracy(self) -> float | None:
-        """Sum of predicted cached tokens over sum of actual cached tokens (1.0 = exact)."""
-        actual = sum(r.cached_tokens for r in self.ok)
-        return sum(r.predicted_cached_tokens for r in self.ok) / actual if actual else None
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy, "cache_salt": self.cache_salt, "requests": len(self.results),
-            "errors": self.errors, "hit_rate": self.hit_rate, "hit_rate_source": self.hit_rate_source,
-            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
-            "preemptions": self.preemptions,
-            "ttft_p50_s": self.percentile("ttft_s", 50), "ttft_p99_s": self.percentile("ttft_s", 99),
-            "tpot_p50_s": self.percentile("tpot_s", 50), "latency_p50_s": self.percentile("latency_s", 50),
-            "requests_per_replica": self.share(), "predicted_over_actual_cached": self.prediction_accuracy(),
-            "prompt_tokens": sum(r.prompt_tokens for r in self.ok),
-            "completion_tokens": sum(r.completion_tokens for r in self.ok),
-            "wall_s": self.wall_s,
-            "error_samples": sorted({r.error for r in self.results if r.error})[:5],
-        }
-
-
-@dataclass
-class BenchReport:
-    config: BenchConfig
-    model: str
-    block_size: int
-    replicas: dict[str, str]  # replica_id -> address
-    bounds: dict[str, float]
-    num_requests: int
-    prompt_tokens: int
-    truncated: int
-    policies: list[PolicyResult] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "config": asdict(self.config), "model": self.model, "block_size": self.block_size,
-            "replicas": self.replicas, "bounds": self.bounds, "requests": self.num_requests,
-            "prompt_tokens": self.prompt_tokens, "truncated_prompts": self.truncated,
-            "policies": [p.summary() for p in self.policies],
-            "per_request": {p.policy: [asdict(r) for r in p.results] for p in self.policies},
-        }
-
-
-# -- planning --------------------------------------------------------------------------------------
-def plan_requests(
-    trace: Sequence[TraceRequest], tokenizer: TraceTokenizer, *, output_scale: float, max_output_tokens: int,
-    time_scale: float | None, max_model_len: int = 0,
-) -> tuple[list[PlannedRequest], int]:
-    """The trace's requests as prompts and output lengths, and how many prompts were cut to fit
-    ``max_model_len`` (0 = no limit; a prompt keeps at least one slot for its output)."""
-    t_first = min((r.timestamp_ms for r in trace), default=0.0)
-    planned = []
-    truncated = 0
-    for i, r in enumerate(trace):
-        ids = tokenizer.token_ids(r)
-        max_tokens = min(max(1, round(r.output_length * output_scale)), max_output_tokens)
-        if max_model_len:
-            if len(ids) >= max_model_len:
-                ids = ids[: max_model_len - 1]
-                truncated += 1
-            max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
-        arrival = (r.timestamp_ms - t_first) / 1000.0 * time_scale if time_scale is not None else 0.0
-        planned.append(PlannedRequest(i, arrival, ids, max_tokens))
-    return planned, truncated
-
-
-# -- the run ---------------------------------------------------------------------------------------
 class _Cluster:
     """The router's stubs and the replicas' (addresses from ``Score``)."""
 
@@ -505,91 +316,6 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
         await cluster.close()
 
 
-# -- output ----------------------------------------------------------------------------------------
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
-def format_report(report: BenchReport) -> str:
-    """One table, a row per policy, and the bounds from the hash ids next to it."""
-    ids = list(report.replicas)
-    ideal, rr = report.bounds["ideal"], report.bounds["round_robin"]
-    head = (f"{'policy':<14}{'requests':>9}{'errors':>8}{'hit rate':>10}{'of ideal':>10}"
-            f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}   requests per replica (%)")
-    lines = [head]
-    for p in report.policies:
-        share = p.share()
-        n = max(len(p.ok), 1)
-        shares = "/".join(f"{100 * share.get(rid, 0) / n:.0f}" for rid in ids)
-        lines.append(
-            f"{p.policy:<14}{len(p.results):>9}{p.errors:>8}{p.hit_rate:>10.3f}"
-            f"{(p.hit_rate / ideal if ideal else 0):>10.0%}{_ms(p.percentile('ttft_s', 50)):>10}"
-            f"{_ms(p.percentile('ttft_s', 99)):>10}{_ms(p.percentile('tpot_s', 50)):>10}   {shares}"
-        )
-    lines.append("")
-    lines.append(f"bounds from the hash ids alone ({report.num_requests} requests, infinite caches): "
-                 f"ideal {ideal:.3f}, round robin over {len(ids)} {rr:.3f}")
-    sources = {p.hit_rate_source for p in report.policies}
-    lines.append(f"hit rate = prefix-cache hit tokens / queried tokens ({', '.join(sorted(sources))}); "
-                 f"replicas: {', '.join(ids)}")
-    by_name = {p.policy: p for p in report.policies}
-    if "kvroute" in by_name and "round_robin" in by_name:
-        k, r = by_name["kvroute"], by_name["round_robin"]
-        kt, rt = k.percentile("ttft_s", 50), r.percentile("ttft_s", 50)
-        ratio = f"{k.hit_rate / r.hit_rate:.2f}x" if r.hit_rate else "-"
-        ttft = f", TTFT p50 {kt / rt:.2f}x" if kt and rt else ""
-        lines.append(f"kvroute vs round_robin: hit rate {ratio}{ttft}")
-    errs = [(p.policy, e) for p in report.policies for e in p.summary()["error_samples"]]
-    for policy, e in errs[:5]:
-        lines.append(f"error ({policy}): {e}")
-    return "\n".join(lines)
-
-
-def write_outputs(report: BenchReport, out_dir: str | Path) -> tuple[Path, Path]:
-    """``bench.json`` (summary + per-request numbers) and ``bench.png`` (hit rate vs the bounds,
-    TTFT p50/p99) in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "bench.json"
-    json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
-    png_path = out / "bench.png"
-    _chart(report, png_path)
-    return json_path, png_path
-
-
-def _chart(report: BenchReport, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [p.policy for p in report.policies]
-    x = np.arange(len(names))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(x, [p.hit_rate for p in report.policies], color="tab:blue")
-    ax1.axhline(report.bounds["ideal"], ls="--", color="tab:green", label="ideal (one infinite cache)")
-    ax1.axhline(report.bounds["round_robin"], ls=":", color="tab:red",
-                label=f"round robin over {len(report.replicas)} infinite caches")
-    ax1.set_xticks(x, names)
-    ax1.set_ylabel("prefix cache hit rate (tokens)")
-    ax1.set_ylim(0, 1.35 * max([report.bounds["ideal"], *(p.hit_rate for p in report.policies)], default=0) or 1)
-    ax1.legend(fontsize=8, loc="upper right")
-    ax1.set_title("hit rate vs the bounds from the trace")
-    w = 0.38
-    p50 = [1000 * (p.percentile("ttft_s", 50) or 0) for p in report.policies]
-    p99 = [1000 * (p.percentile("ttft_s", 99) or 0) for p in report.policies]
-    ax2.bar(x - w / 2, p50, w, label="p50")
-    ax2.bar(x + w / 2, p99, w, label="p99")
-    ax2.set_xticks(x, names)
-    ax2.set_ylabel("time to first token (ms)")
-    ax2.legend(fontsize=8)
-    ax2.set_title("TTFT")
-    fig.suptitle(f"kvroute bench: {report.num_requests} requests, {len(report.replicas)} replicas, {report.model}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def bench_main(cfg: BenchConfig) -> int:
     """``kvroute bench``: 0 when every request succeeded, 1 when some failed, 2 when it cannot run,
     130 on Ctrl-C."""
@@ -609,7 +335,4 @@ def bench_main(cfg: BenchConfig) -> int:
     return 1 if any(p.errors for p in report.policies) else 0
 
 
-__all__ = [
-    "BenchConfig", "BenchError", "BenchReport", "PlannedRequest", "PolicyResult", "RequestResult", "bench_main",
-    "format_report", "plan_requests", "run_bench", "write_outputs",
-]
+__all__ = ["BenchError", "bench_main", "run_bench"]

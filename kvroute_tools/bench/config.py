@@ -1,0 +1,68 @@
+"""``kvroute bench``'s flags as one checked value (``kvroute bench --help``), and how they pace
+the requests (``mode``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvroute_tools.trace import BUNDLED_TRACE
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """``kvroute bench`` flags (see ``kvroute bench --help``)."""
+
+    target: str
+    trace: str = str(BUNDLED_TRACE)
+    requests: int | None = 1000
+    tokens_per_block: int = 16
+    output_scale: float = 0.02
+    max_output_tokens: int = 256
+    time_scale: float | None = None
+    concurrency: int | None = None
+    policies: tuple[str, ...] = ("kvroute", "round_robin")
+    interleave: int = 0  # policies take turns every N requests (0: each runs the whole trace in turn)
+    out: str | None = None
+    request_timeout: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"--requests: must be >= 1, got {self.requests}")
+        if self.tokens_per_block < 1:
+            raise ValueError(f"--tokens-per-block: must be >= 1, got {self.tokens_per_block}")
+        if not (self.output_scale > 0 and math.isfinite(self.output_scale)):
+            raise ValueError(f"--output-scale: must be > 0, got {self.output_scale}")
+        if self.max_output_tokens < 1:
+            raise ValueError(f"--max-output-tokens: must be >= 1, got {self.max_output_tokens}")
+        if self.time_scale is not None and not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"--time-scale: must be >= 0, got {self.time_scale}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency: must be >= 1, got {self.concurrency}")
+        if not self.policies or any(not p for p in self.policies):
+            raise ValueError(f"--policies: expected comma-separated policy names, got {','.join(self.policies)!r}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policies: a policy is listed twice ({','.join(self.policies)})")
+        if self.interleave < 0:
+            raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
+
+    @property
+    def mode(self) -> str:
+        """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
+        turns = f"; policies take turns every {self.interleave} requests" if self.interleave else ""
+        if self.time_scale is None:
+            return f"closed loop, concurrency {self.effective_concurrency}{turns}"
+        cap = f", at most {self.concurrency} in flight" if self.concurrency else ""
+        return f"open loop, trace timestamps x {self.time_scale:g}{cap}{turns}"
+
+    @property
+    def effective_concurrency(self) -> int | None:
+        if self.time_scale is None:
+            return self.concurrency or 8
+        return self.concurrency
+
+
+__all__ = ["BenchConfig"]
