@@ -18,8 +18,7 @@ On the CPU in float32, when the optional C extension ``replica.attention._cpu_pa
 blocks in place through the block table (``_cpu_paged.c``); with torch on N > 1 threads the
 decodes are split over N workers (the kernel releases the GIL). Same results within float rounding
 (tests compare both paths); ``TorchAttentionBackend(cpu_kernel=False)`` forces the gather path.
-32 decodes of 32-160 tokens, one layer: 0.65 ms on 1 thread, 0.58 ms on 2 (this 2-core host),
-against 1.8 / 1.3 ms for the gather path.
+Reading blocks in place saves the gather's copy, which is most of a decode's cost on the CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from replica.attention.kv_cache import write_kv_cache
+from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 
 try:
@@ -172,7 +171,7 @@ def _bucket(
     return DecodeBucket(rows, n, max_nb, max_seq, gather_index, mask)
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Query token j of a request sits at position ``seq_len - query_len + j`` and sees keys ``0 ..``
@@ -224,22 +223,12 @@ class TorchAttentionBackend:
         self._pool: ThreadPoolExecutor | None = None  # kernel workers when torch has > 1 thread
         self._pool_size = 0
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+    def _attend(
+        self, query: torch.Tensor, step_kv: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+        metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] (T may include padding), kv_cache
-        (2, num_blocks, B, Hkv, D) -> [T, H, D] in query's dtype, zeros on padded rows.
-
-        Writes the actual tokens' key/value into ``kv_cache`` first (padding is never written).
-        """
-        n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
+        """Decodes batched (the CPU kernel, or length buckets), then one SDPA call per prefill chunk."""
+        key, value = step_kv
         if (
             self.cpu_kernel
             and kv_cache.device.type == "cpu"
