@@ -47,7 +47,9 @@ class AttentionBackend(ABC):
         return self._attend(query, (key, value), kv_cache, metadata, scale)
 
     def _check_cache(self, kv_cache: torch.Tensor) -> None:
-        """Raise ``ValueError`` before anything is written when the kernel cannot read ``kv_cache``."""
+        """Raise ``ValueError`` before anything is written when the kernel cannot read ``kv_cache``
+        (the default: any cache will do)."""
+        return None
 
     @abstractmethod
     def _attend(
