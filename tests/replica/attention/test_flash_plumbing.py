@@ -20,15 +20,7 @@ from replica.attention import (
     allocate_kv_caches,
     build_attention_metadata,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny tensors: two OpenMP threads on a busy 2-core machine only add barrier waits.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.support import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 
 def _reference_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_table,
