@@ -21,8 +21,8 @@ in one table with a verdict per goal.
 - **proxy added latency**: ``python -m replica`` and ``python -m router`` as child processes (one
   Redis), a client here; the same 64-token prompt (warm in the prefix cache), 8 output tokens,
   sent in turn to the replica's GenerationService, to the router's, and to each bare pass-through
-  named by ``--bare`` (this file, ``--passthrough``: one server handler forwarding to one client
-  call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
+  named by ``--bare`` (``bench/_passthrough.py``, run as this file's ``--passthrough``: one server
+  handler forwarding to one client call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
   this machine. Added = p50(side) - p50(direct), for the time to the first token and for the whole
   request. Goal: <= 1 ms at p50.
 

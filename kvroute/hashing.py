@@ -272,7 +272,8 @@ class BlockHasher:
 
 
 def event_ints_of(digests: Sequence[bytes]) -> list[int]:
-    """``to_event_int`` of each digest, read in one numpy pass (~5x faster than a loop)."""
+    """``to_event_int`` of each digest, read in one numpy pass (faster than a loop)."""
+    # Measured: ~5x faster than [to_event_int(d) for d in digests].
     if not digests:
         return []
     words = len(digests[0]) // 8
