@@ -3,7 +3,7 @@
 The stand-ins implement ``flash_attn_varlen_func``'s documented contract (paged K/V through
 ``block_table``, key lengths from ``seqused_k`` or ``cu_seqlens_k``, bottom-right causal mask) with
 plain torch, so a wrong keyword, a wrong ``cu_seqlens_k`` or a padding slip shows up without a GPU.
-The real kernels are compared in test_attention_flash.py (CUDA).
+The real kernels are compared in test_flash.py (CUDA).
 """
 
 from __future__ import annotations
