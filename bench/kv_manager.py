@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +45,7 @@ import cbor2  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
+from bench._common import print_table  # noqa: E402
 from kvroute.hashing import DEFAULT_SEED, BlockHasher  # noqa: E402
 from replica.kv import BlockPool, KVCacheManager, SimpleKVRequest  # noqa: E402
 
@@ -85,16 +87,16 @@ def plain_hash_blocks(tokens: list[int], block_size: int, algorithm: str) -> lis
     return out
 
 
+@dataclass
 class Row:
-    def __init__(self, metric, value, baseline, goal, verdict, unit):
-        self.metric, self.value, self.baseline, self.goal, self.verdict, self.unit = (
-            metric,
-            value,
-            baseline,
-            goal,
-            verdict,
-            unit,
-        )
+    """One line of the table: a rate of kvroute's and of its baseline (None: no baseline)."""
+
+    metric: str
+    value: float
+    baseline: float | None
+    goal: str
+    verdict: str
+    unit: str
 
 
 def fmt_rate(x: float | None, unit: str) -> str:
@@ -357,7 +359,7 @@ def bench_lookup(repeats: int) -> list[Row]:
     return rows
 
 
-def print_table(rows: list[Row]) -> None:
+def print_rows(rows: list[Row]) -> None:
     header = ("metric", "kvroute", "baseline", "ratio", "goal", "verdict")
     body = [
         (
@@ -370,9 +372,7 @@ def print_table(rows: list[Row]) -> None:
         )
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    for cells in (header, tuple("-" * w for w in widths), *body):
-        print("  ".join(f"{c:<{w}}" for c, w in zip(cells, widths, strict=True)).rstrip())
+    print_table(header, body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kvroute KV cache manager bench: block_size {BLOCK_SIZE}, vocab {VOCAB}, {NUM_BLOCKS} blocks, "
         f"best of {repeats}, python {sys.version.split()[0]}, numpy {np.__version__}"
     )
-    print_table(rows)
+    print_rows(rows)
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
 

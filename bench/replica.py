@@ -28,18 +28,13 @@ processes were already busy.
 Reading the result on a small CPU box: the default model is so small that a step is mostly Python,
 so the engine thread holds the GIL most of the time. With the engine on a thread of the gRPC
 process, the server's event loop (and grpc's poller thread) must take the GIL from the engine for
-every call and message. Measured on 2 cores (quiet machine, 32 streams): the engine thread got
-~0.85 core behind gRPC vs ~0.97 in-process, the server's loop ~0.11, the client ~0.10; sending 8
-tokens per message halved the loop's CPU but did not recover the throughput: the loss is GIL
-hand-off latency, which also lowered the mean running batch from ~30 to ~27. Hence vLLM v1's
-remedy, the default now: the engine in its own process (one GIL to itself), the gRPC front end in
-another, one pipe message per step between them. Measured on the same 2 cores (two quiet runs,
-``--compare-engine-thread --rounds 7 --stat both``, 32 streams): engine process -3.4 % / -3.3 %
-(median; best-of-7 0.2 % / 5.2 %), engine thread 14.2 % / 12.5 %; TTFT p50 ~29 ms vs ~21 ms
-in-process (the extra hops: gRPC both ways, two pipes). The engine process then runs at ~0.9-1.0
-core, the server process ~0.15, the client ~0.1, so the gRPC side needs ~1.3 cores in all: on 2
-shared cores a busy neighbour shows up as overhead (the note under the table says how busy the
-machine was; runs with 2 cores busy elsewhere swung from -40 % to +15 %).
+every call and message, and the loss is GIL hand-off latency (sending several tokens per message
+lowers the loop's CPU but does not recover the throughput; the running batch shrinks too). Hence
+vLLM v1's remedy, the default now: the engine in its own process (one GIL to itself), the gRPC
+front end in another, one pipe message per step between them. TTFT is then higher than in-process
+by the extra hops (gRPC both ways, two pipes), and the gRPC side needs more than one core in all
+(engine process, server process, client): on a small shared machine a busy neighbour shows up as
+overhead, which is why the note under the table says how busy the machine was.
 """
 
 from __future__ import annotations
@@ -54,19 +49,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from bench._common import busy_cores  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import replica_pb2 as rep_pb  # noqa: E402
 from kvroute.v1 import replica_pb2_grpc as rep_grpc  # noqa: E402
-from kvroute_tools.supervise import wait_serving  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
+from kvroute_tools.supervise import wait_serving  # noqa: E402
 from replica.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from replica.engine.params import SamplingParams  # noqa: E402
 from replica.server import build_engine  # noqa: E402
@@ -127,6 +125,20 @@ async def closed_loop(concurrency: int, seconds: float, one_request) -> Cell:
     return Cell(tokens, time.perf_counter() - t0, ttfts)
 
 
+async def count_tokens(stream: AsyncIterator[Any], tokens_of: Callable[[Any], Sequence[int]]) -> tuple[int, float]:
+    """Drain one request's ``stream`` (not started yet: the clock starts here): (tokens received,
+    seconds to the first of them); ``tokens_of`` reads the new token ids from one item."""
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    async for item in stream:
+        new = tokens_of(item)
+        if ttft is None and new:
+            ttft = time.perf_counter() - t0
+        n += len(new)
+    return n, ttft
+
+
 class InProcess:
     """The baseline: an ``AsyncLLMEngine`` in this process, with the replica's step hook and a publisher."""
 
@@ -157,14 +169,7 @@ class InProcess:
         prompt, max_tokens = self.workload.next()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         req = self.engine.make_request(prompt, params, f"ip-{next(self._ids)}", None)
-        t0 = time.perf_counter()
-        ttft = None
-        n = 0
-        async for out in self.engine.generate(req):
-            if ttft is None and out.new_token_ids:
-                ttft = time.perf_counter() - t0
-            n += len(out.new_token_ids)
-        return n, ttft
+        return await count_tokens(self.engine.generate(req), lambda out: out.new_token_ids)
 
 
 class OverGrpc:
@@ -186,14 +191,7 @@ class OverGrpc:
         prompt, max_tokens = self.workload.next()
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         req = rep_pb.ReplicaGenerateRequest(token_ids=prompt, sampling=sampling)
-        t0 = time.perf_counter()
-        ttft = None
-        n = 0
-        async for d in self.stub.GenerateStream(req):
-            if ttft is None and d.token_ids:
-                ttft = time.perf_counter() - t0
-            n += len(d.token_ids)
-        return n, ttft
+        return await count_tokens(self.stub.GenerateStream(req), lambda delta: delta.token_ids)
 
 
 async def measure(settings: ReplicaSettings, redis_url: str, targets: dict[str, str], vocab: int, args) -> dict:
@@ -211,23 +209,6 @@ async def measure(settings: ReplicaSettings, redis_url: str, targets: dict[str, 
                 for name, side in sides:
                     results.setdefault((name, c), []).append(await closed_loop(c, args.seconds, side.one))
     return results
-
-
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """CPU cores busy on this machine over ``seconds`` (Linux /proc/stat), None elsewhere."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-
-    try:
-        t0, i0 = read()
-        time.sleep(seconds)
-        t1, i1 = read()
-    except OSError:
-        return None
-    return (1 - (i1 - i0) / max(t1 - t0, 1)) * (os.cpu_count() or 1)
 
 
 def start_replica_process(

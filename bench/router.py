@@ -21,35 +21,18 @@ in one table with a verdict per goal.
 - **proxy added latency**: ``python -m replica`` and ``python -m router`` as child processes (one
   Redis), a client here; the same 64-token prompt (warm in the prefix cache), 8 output tokens,
   sent in turn to the replica's GenerationService, to the router's, and to each bare pass-through
-  named by ``--bare`` (this file, ``--passthrough``: one server handler forwarding to one client
-  call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
+  named by ``--bare`` (``bench/_passthrough.py``, run as this file's ``--passthrough``: one server
+  handler forwarding to one client call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
   this machine. Added = p50(side) - p50(direct), for the time to the first token and for the whole
   request. Goal: <= 1 ms at p50.
 
-What the hop costs (2-core box shared with other benchmarks, load average 1.8-3.7; added p50 in ms,
-TTFT / whole request; medians of 3-4 interleaved runs of 150-300 requests per side):
-
-    design (bare pass-through)                          real replica           idle fake upstream
-    grpc.aio server + aio client (the router's)         1.8-2.2 / 1.7-4.1      1.0-1.3 / 2.1-2.4
-      + uvloop                                          1.8     / 2.5          1.0     / 1.9
-      + raw response bytes (no (de)serialization)       2.3-2.7 / 1.8-3.3      1.0     / 1.9
-      + grpc.optimization_target=latency, no BDP probe  -                      1.1     / 2.0
-      + GRPC_EXPERIMENTS=-event_engine_* (iomgr)        2.1     / 3.0          1.1     / 2.2
-    sync server (8 threads) + sync client               1.9-2.2 / 2.4-3.5      1.0     / 1.9
-    sync + SingleThreadedUnaryStream client ("sync-st") 1.2-1.8 / 1.9-3.2      0.8-1.0 / 1.5-1.9
-      + raw response bytes                              1.5-2.0 / 2.2-3.4      0.8     / 1.5
-      + grpc.optimization_target=latency, no BDP probe  1.8     / 2.5          0.9     / 1.6
-    grpclib (pure-Python HTTP/2) server + client        -                      1.4     / 1.9
-      + uvloop                                          -                      1.3     / 1.7
-    the router (aio; tokenize, decide, commit, ...)     2.4-3.2 / 2.6-4.6      -
-
-Nothing gets a Python hop under 1 ms here: a hop adds, per message, one more loopback write and the
-wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
+Why the router stays on grpc.aio: every Python hop adds, per message, one more loopback write and
+the wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
 event-engine thread -> poller thread -> event loop; sync-st: event-engine thread -> handler thread);
-with the replica computing on one of the 2 cores, every wake-up waits for a core. sync-st is
-0.3-0.6 ms cheaper than aio at TTFT in the same runs, but not under +1.5 ms reliably, and it serves
-each stream on a pool thread (long LLM streams x threads x one GIL), so the router stays on grpc.aio.
-The router's own share, ~0.45 ms before the upstream call is made, is itemised in router/proxy.py.
+with the replica computing on a core of a small machine, every wake-up waits for a core. The
+``--bare`` designs measure that floor side by side with the router (the README keeps the results):
+sync-st is cheaper than aio at TTFT, but it serves each stream on a pool thread (long LLM streams x
+threads x one GIL). The router's own share before the upstream call is itemised in router/proxy.py.
 
 Verdicts on the decision and the ingest use the benchmark thread's CPU time (``time.thread_time``:
 "on one core"), so that neighbours on a shared machine do not decide them; the decision's wall time
@@ -75,20 +58,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from kvroute_tools.supervise import wait_serving  # noqa: E402
+from bench._common import busy_cores, print_table  # noqa: E402
+from bench._passthrough import BARE_VARIANTS, passthrough  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
-from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
+from kvroute_tools.cluster import wait_serving  # noqa: E402
+from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
+from kvroute_tools.supervise import wait_serving  # noqa: E402
 from router.consumer import EventConsumer  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
-from router.proxy import GENERATION_SERVICE  # noqa: E402
 from router.registry import ReplicaRegistry  # noqa: E402
 from router.scoring import make_policy  # noqa: E402
 
@@ -206,79 +190,6 @@ def start(args: list[str], target: str, what: str, log: Path) -> subprocess.Pope
     return proc
 
 
-# Bare pass-through designs (``--passthrough PORT UPSTREAM VARIANT``): the floor of each kind of Python
-# gRPC hop. "aio": grpc.aio server + grpc.aio client (the router's design); "sync": grpc.server on a
-# ThreadPoolExecutor + a sync client stub; "-st": the sync client channel with
-# grpc.experimental.ChannelOptions.SingleThreadedUnaryStream (the handler thread polls the call itself
-# instead of a channel thread handing each message over); "-bytes": responses forwarded as raw bytes (no
-# response (de)serialization in the hop; the request is still parsed, as a router must).
-BARE_VARIANTS = ("aio", "aio-bytes", "sync", "sync-st", "sync-st-bytes")
-REPLICA_STREAM = "/kvroute.v1.ReplicaService/GenerateStream"
-
-
-def passthrough(port: int, upstream: str, variant: str = "aio") -> None:
-    """A bare pass-through proxy of one design (BARE_VARIANTS), until killed: one handler forwarding
-    GenerationService.GenerateStream to the replica's ReplicaService.GenerateStream, nothing else."""
-    import asyncio
-    from concurrent import futures
-
-    import grpc.experimental
-    from grpc_health.v1 import health
-
-    from kvroute.v1 import replica_pb2 as rep_pb
-
-    parts = set(variant.split("-"))
-    raw = "bytes" in parts
-    serialize = rep_pb.ReplicaGenerateRequest.SerializeToString
-    deserialize = None if raw else gen_pb.GenerateResponse.FromString
-
-    def upstream_request(request: gen_pb.GenerateRequest) -> rep_pb.ReplicaGenerateRequest:
-        return rep_pb.ReplicaGenerateRequest(token_ids=request.token_ids.ids, sampling=request.sampling)
-
-    def handlers(handle) -> grpc.GenericRpcHandler:
-        method = grpc.unary_stream_rpc_method_handler(
-            handle, request_deserializer=gen_pb.GenerateRequest.FromString,
-            response_serializer=None if raw else gen_pb.GenerateResponse.SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"GenerateStream": method})
-
-    if "sync" in parts:
-        options = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)] if "st" in parts else []
-        channel = grpc.insecure_channel(upstream, options=options)  # referenced: a collected channel closes
-        call = channel.unary_stream(REPLICA_STREAM, serialize, deserialize)
-
-        def forward(request, context):
-            yield from call(upstream_request(request), timeout=context.time_remaining())
-
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        server.add_generic_rpc_handlers((handlers(forward),))
-        checks = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.start()
-        checks.set("readiness", health_pb2.HealthCheckResponse.SERVING)
-        server.wait_for_termination()
-        return
-
-    async def serve() -> None:
-        call = grpc.aio.insecure_channel(upstream).unary_stream(REPLICA_STREAM, serialize, deserialize)
-
-        async def forward(request, context):
-            async for r in call(upstream_request(request), timeout=context.time_remaining()):
-                yield r
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((handlers(forward),))
-        checks = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await checks.set("readiness", health_pb2.HealthCheckResponse.SERVING)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
 def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateRequest) -> tuple[float, float]:
     t0 = time.perf_counter()
     ttft = None
@@ -343,23 +254,6 @@ def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str]) -> dict[str, li
                     proc.kill()
 
 
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """CPU cores busy on this machine over ``seconds`` (Linux /proc/stat), None elsewhere."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-
-    try:
-        t0, i0 = read()
-        time.sleep(seconds)
-        t1, i1 = read()
-    except OSError:
-        return None
-    return (1 - (i1 - i0) / max(t1 - t0, 1)) * (os.cpu_count() or 1)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decisions", type=int, default=2000, help="decisions timed per hash algorithm")
@@ -421,13 +315,7 @@ def main() -> int:
           f"{PROMPT_TOKENS}-token prompts ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm;"
           f" proxy: {args.requests} requests per side, one replica, loopback; {os.cpu_count()} cores,"
           f" load average {os.getloadavg()[0]:.1f}")
-    w = [max(len(r[i]) for r in rows) for i in range(4)]
-    head = ("metric", "measured", "goal", "verdict")
-    w = [max(w[i], len(head[i])) for i in range(4)]
-    print("  ".join(h.ljust(w[i]) for i, h in enumerate(head)))
-    print("-" * (sum(w) + 6))
-    for r in rows:
-        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)))
+    print_table(("metric", "measured", "goal", "verdict"), rows)
     if others is not None and others > 0.25:
         print(f"\nnote: other processes kept {others:.1f} of {os.cpu_count()} cores busy at the start; latencies"
               " are inflated accordingly")

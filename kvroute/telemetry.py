@@ -20,6 +20,11 @@ the OpenTelemetry globals -- the only module-level mutable state the house rules
 
 Context propagation across gRPC hops uses W3C ``traceparent`` / ``tracestate`` in the call
 metadata: :func:`extract_context` on the server side, :func:`inject_metadata` on the client side.
+
+The attribute names (``ATTR_*``) and histogram bucket boundaries (``*_BUCKETS``) both processes
+record with are defined here, once: the GenAI semantic conventions' (``gen_ai.*``, ``error.type``)
+and kvroute's own ``kvroute.request_id``. :func:`start_server_span` and :func:`set_span_error` are
+the span steps both servers take.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,23 @@ OTLP_ENDPOINT_VARIABLES = (
 )
 
 Metadata = Sequence[tuple[str, str | bytes]]
+
+# Span and metric attributes: the GenAI semantic conventions' names, and kvroute's request id.
+ATTR_REQUEST_ID = "kvroute.request_id"
+ATTR_OPERATION = "gen_ai.operation.name"
+ATTR_MODEL = "gen_ai.request.model"
+ATTR_TOKEN_TYPE = "gen_ai.token.type"
+ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ATTR_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+ATTR_FINISH_REASONS = "gen_ai.response.finish_reasons"
+ATTR_ERROR_TYPE = "error.type"
+
+# GenAI semantic conventions, "gen-ai-metrics": ExplicitBucketBoundaries of each histogram.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
 
 @dataclass
@@ -185,4 +208,40 @@ def inject_metadata(metadata: Sequence[tuple[str, str]] = (), ctx: otel_context.
     return [*metadata, *carrier.items()]
 
 
-__all__ = ["Telemetry", "extract_context", "inject_metadata", "otlp_configured", "setup_telemetry"]
+def start_server_span(
+    tracer: trace.Tracer, name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any]
+) -> trace.Span:
+    """Open the SERVER span of one call ``name`` (e.g. ``kvroute.v1.ReplicaService/GenerateStream``),
+    continuing ``parent`` (what :func:`extract_context` returned; None = a new trace)."""
+    return tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes))
+
+
+def set_span_error(span: trace.Span, error: tuple[str, str]) -> None:
+    """Mark ``span`` failed: ``error.type`` = the code name, status ERROR ``"CODE: message"``;
+    ``error`` is (gRPC status code name, message)."""
+    span.set_attribute(ATTR_ERROR_TYPE, error[0])
+    span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
+
+
+__all__ = [
+    "ATTR_CACHED_TOKENS",
+    "ATTR_ERROR_TYPE",
+    "ATTR_FINISH_REASONS",
+    "ATTR_INPUT_TOKENS",
+    "ATTR_MODEL",
+    "ATTR_OPERATION",
+    "ATTR_OUTPUT_TOKENS",
+    "ATTR_REQUEST_ID",
+    "ATTR_TOKEN_TYPE",
+    "REQUEST_DURATION_BUCKETS",
+    "TOKEN_USAGE_BUCKETS",
+    "TPOT_BUCKETS",
+    "TTFT_BUCKETS",
+    "Telemetry",
+    "extract_context",
+    "inject_metadata",
+    "otlp_configured",
+    "set_span_error",
+    "setup_telemetry",
+    "start_server_span",
+]

@@ -48,21 +48,23 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
-# GenAI semantic conventions, "gen-ai-metrics": ExplicitBucketBoundaries of each histogram.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
-
-ATTR_REQUEST_ID = "kvroute.request_id"
-ATTR_OPERATION = "gen_ai.operation.name"
-ATTR_MODEL = "gen_ai.request.model"
-ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-ATTR_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-ATTR_FINISH_REASONS = "gen_ai.response.finish_reasons"
-ATTR_ERROR_TYPE = "error.type"
+from kvroute.telemetry import (
+    ATTR_CACHED_TOKENS,
+    ATTR_ERROR_TYPE,
+    ATTR_FINISH_REASONS,
+    ATTR_INPUT_TOKENS,
+    ATTR_MODEL,
+    ATTR_OPERATION,
+    ATTR_OUTPUT_TOKENS,
+    ATTR_REQUEST_ID,
+    REQUEST_DURATION_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    set_span_error,
+    start_server_span,
+)
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ class RequestSpans:
         self, tracer: trace.Tracer, name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any]
     ) -> None:
         self._tracer = tracer
-        self.span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes))
+        self.span = start_server_span(tracer, name, parent, attributes)
 
     def set_request_id(self, request_id: str) -> None:
         self.span.set_attribute(ATTR_REQUEST_ID, request_id)
@@ -274,8 +276,7 @@ class RequestSpans:
         if finish_reason is not None:
             span.set_attribute(ATTR_FINISH_REASONS, [finish_reason])
         if error is not None:
-            span.set_attribute(ATTR_ERROR_TYPE, error[0])
-            span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
+            set_span_error(span, error)
         if submitted_ns is not None and request_id is not None:
             ctx = trace.set_span_in_context(span)
             common = {ATTR_REQUEST_ID: request_id}
@@ -296,4 +297,13 @@ class RequestSpans:
         child.end(end_time=max(start, end))
 
 
-__all__ = ["EngineSample", "ReplicaMetrics", "RequestSpans", "sample_engine"]
+# The bucket boundaries are re-exported: tests read them from here.
+__all__ = [
+    "REQUEST_DURATION_BUCKETS",
+    "TPOT_BUCKETS",
+    "TTFT_BUCKETS",
+    "EngineSample",
+    "ReplicaMetrics",
+    "RequestSpans",
+    "sample_engine",
+]

@@ -56,12 +56,24 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
-# GenAI semantic conventions, "gen-ai-metrics": ExplicitBucketBoundaries of each histogram.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
-TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+from kvroute.telemetry import (
+    ATTR_CACHED_TOKENS,
+    ATTR_ERROR_TYPE,
+    ATTR_INPUT_TOKENS,
+    ATTR_MODEL,
+    ATTR_OPERATION,
+    ATTR_OUTPUT_TOKENS,
+    ATTR_REQUEST_ID,
+    ATTR_TOKEN_TYPE,
+    REQUEST_DURATION_BUCKETS,
+    TOKEN_USAGE_BUCKETS,
+    TTFT_BUCKETS,
+    set_span_error,
+    start_server_span,
+)
+
 # Decision overhead: tens of microseconds to a few milliseconds.
 OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0, 4.0)
@@ -70,16 +82,8 @@ ATTR_REPLICA = "kvroute.replica_id"
 ATTR_POLICY = "kvroute.policy"
 ATTR_OUTCOME = "kvroute.outcome"
 ATTR_STAGE = "kvroute.stage"
-ATTR_REQUEST_ID = "kvroute.request_id"
 ATTR_PREDICTED = "kvroute.predicted_cached_tokens"
 ATTR_ATTEMPTS = "kvroute.attempts"
-ATTR_OPERATION = "gen_ai.operation.name"
-ATTR_MODEL = "gen_ai.request.model"
-ATTR_TOKEN_TYPE = "gen_ai.token.type"
-ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-ATTR_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-ATTR_ERROR_TYPE = "error.type"
 STAGES = ("hash", "lookup", "score", "total")
 
 
@@ -236,7 +240,7 @@ class CallSpans:
 
     def __init__(self, tracer: trace.Tracer, name: str, parent: otel_context.Context, attributes: Mapping[str, Any]):
         self._tracer = tracer
-        self.span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes))
+        self.span = start_server_span(tracer, name, parent, attributes)
         self._attempt: trace.Span | None = None
 
     def attempt(self, method: str, replica_id: str, address: str, predicted: int) -> otel_context.Context:
@@ -258,17 +262,26 @@ class CallSpans:
         if span is None:
             return
         if error is not None:
-            span.set_attribute(ATTR_ERROR_TYPE, error[0])
-            span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
+            set_span_error(span, error)
         span.end()
 
     def end(self, *, attributes: Mapping[str, Any], error: tuple[str, str] | None) -> None:
         self.end_attempt(error)
         self.span.set_attributes(dict(attributes))
         if error is not None:
-            self.span.set_attribute(ATTR_ERROR_TYPE, error[0])
-            self.span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
+            set_span_error(self.span, error)
         self.span.end()
 
 
-__all__ = ["CallSpans", "RouterMetrics"]
+# The shared attribute names are re-exported: router.proxy reads them from here.
+__all__ = [
+    "ATTR_ATTEMPTS",
+    "ATTR_CACHED_TOKENS",
+    "ATTR_INPUT_TOKENS",
+    "ATTR_OUTPUT_TOKENS",
+    "ATTR_PREDICTED",
+    "ATTR_REPLICA",
+    "ATTR_REQUEST_ID",
+    "CallSpans",
+    "RouterMetrics",
+]

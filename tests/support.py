@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
+
+import pytest
 
 T = TypeVar("T")
 
@@ -110,3 +112,17 @@ def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> 
     finally:
         stream.cancel()
     wait_for(lambda: replica_idle(rep))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Autouse, per module: torch on one intra-op thread while the module's tests run, the previous
+    count restored after. A test module opts in with ``from tests.support import one_torch_thread``.
+    Their tensors are tiny: with two OpenMP threads on a busy 2-core machine every op waits on a
+    barrier (measured 5 s vs 0.1 s for a decode test)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -5,8 +5,12 @@ Consumes: q/k/v of one layer for a flattened batch of tokens, that layer's cache
 per step by ``build_attention_metadata`` (DESIGN.md §3.2).
 Guarantees: every backend writes exactly the slots of ``slot_mapping`` that are not -1, and
 returns causal attention of each request's query tokens (its last ``query_len`` positions) over
-its first ``seq_len`` positions; padded rows come back as zeros. Backends: ``torch`` (CPU and CUDA,
-the reference) and ``flash_attn`` (CUDA, imported lazily); ``select_backend`` picks one.
+its first ``seq_len`` positions; padded rows come back as zeros. Backends subclass
+``AttentionBackend``, whose ``forward`` writes the cache and then calls the backend's ``_attend``:
+``torch`` (CPU and CUDA, the reference) and ``flash_attn`` (CUDA, imported lazily);
+``select_backend`` picks one.
+
+Imports: torch and numpy (a flash-attention build lazily); nothing else of kvroute or the replica.
 """
 
 from replica.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from replica.attention.kv_cache import write_kv_cache
+from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 
 # (module, flavour, block size multiple), in order of preference.
@@ -47,7 +47,7 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and _find_flash_attn() is not None
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(AttentionBackend):
     """Paged attention through ``flash_attn_varlen_func`` with ``block_table``.
 
     CUDA only, fp16/bf16 only (the kernel's constraint). Raises ``ImportError`` at construction
@@ -70,26 +70,20 @@ class FlashAttnBackend:
         """Whether the installed kernel accepts a paged cache with this block size."""
         return block_size % self._block_multiple == 0
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D], kv_cache (2, num_blocks, B, Hkv, D) on CUDA in
-        fp16/bf16 -> [T, H, D]; padded rows (past ``num_actual_tokens``) are zeros. Writes the
-        actual tokens' K/V into the cache first."""
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
         block_size = kv_cache.shape[2]
         if not self.supports_block_size(block_size):
             raise ValueError(
                 f"this flash-attention build needs block_size to be a multiple of {self._block_multiple}, "
                 f"got {block_size}; use the 'torch' attention backend"
             )
+
+    def _attend(
+        self, query: torch.Tensor, step_kv: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+        metadata: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """On CUDA in fp16/bf16: the varlen kernel reads the cache through the block table."""
         n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
         common = dict(
             max_seqlen_q=metadata.max_query_len,
             max_seqlen_k=metadata.max_seq_len,

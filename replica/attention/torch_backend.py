@@ -18,8 +18,7 @@ On the CPU in float32, when the optional C extension ``replica.attention._cpu_pa
 blocks in place through the block table (``_cpu_paged.c``); with torch on N > 1 threads the
 decodes are split over N workers (the kernel releases the GIL). Same results within float rounding
 (tests compare both paths); ``TorchAttentionBackend(cpu_kernel=False)`` forces the gather path.
-32 decodes of 32-160 tokens, one layer: 0.65 ms on 1 thread, 0.58 ms on 2 (this 2-core host),
-against 1.8 / 1.3 ms for the gather path.
+Reading blocks in place saves the gather's copy, which is most of a decode's cost on the CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from replica.attention.kv_cache import write_kv_cache
+from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 
 try:
@@ -85,8 +84,9 @@ class DecodePlan:
 
 
 def build_decode_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype) -> DecodePlan:
-    """Bucket the step's decodes (module docstring). Host-side numpy, ~60 us for 32 decodes;
-    ``TorchAttentionBackend`` caches the plan on the metadata, so it runs once per step."""
+    """Bucket the step's decodes (module docstring). Host-side numpy; ``TorchAttentionBackend``
+    caches the plan on the metadata, so it runs once per step."""
+    # Measured: ~60 us for 32 decodes.
     _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     qsl = metadata.query_start_loc_cpu.numpy()
     seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
@@ -172,7 +172,7 @@ def _bucket(
     return DecodeBucket(rows, n, max_nb, max_seq, gather_index, mask)
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Query token j of a request sits at position ``seq_len - query_len + j`` and sees keys ``0 ..``
@@ -181,32 +181,36 @@ class TorchAttentionBackend:
     the query axis (``[n, Hkv, group, D]``) so K/V are never repeated. Prefill chunks run one call
     each, with SDPA's ``enable_gqa`` (torch >= 2.5) or ``repeat_interleave``.
 
-    Measured on one CPU thread (block_size 16, 8/4 heads of 32, fp32), per layer including the
-    cache write: 32 decodes of 32-160 tokens 1.9-2.1 ms looped vs 1.2-1.3 ms batched; 64 decodes
-    of 32-914 tokens 11.0-11.4 ms looped vs 8.3-9.1 ms in length buckets. A previous attempt
-    batched into ONE padded bucket and lost (37 ms for the second case, reproduced): every row
-    padded to the longest doubles the bytes copied, and a 60 MB gather, above glibc's largest mmap
-    threshold (32 MiB), was a fresh mmap each call, page-faulting at 2 GB/s (28.6 ms of the 37).
-    Not the cause: SDPA with an additive mask stays on the CPU flash kernel, and GQA as the query
-    axis repeats nothing. Matmul + masked softmax (1.2x-3x slower) and SDPA's math backend (3.5x)
-    lost to the flash kernel at these sizes.
-
-    Re-measured at the engine bench's batch 32 (decodes of 32-160 tokens, 4 layers: gather 1.35 ms
-    and SDPA 2.1 ms a step), alternating variants in one process. Lost: (1) a dense decode cache,
-    each layer keeping its decodes' K/V head-major across steps and appending one token a step
-    instead of gathering: no gain even when 61 of 63 steps reused it (attention 3.7 vs 3.5 ms a
-    step), since the 4 MB a layer reads from DRAM only moves from the gather into SDPA (760 us a
-    call on the dense buffer vs 450 us on the just-gathered, cache-hot scratch); with length buckets
-    changing every few steps it lost (5.2 vs 4.0 ms). (2) Matmul attention on the scratch, one bmm
-    per KV head: 2,318 vs 2,677 tok/s. (3) Gathering head-major (``index_select`` into a permuted
-    ``out``): the gather alone 2x slower. (4) All KV heads as one block-diagonal 128-dim head (one
-    SDPA task per request instead of per head): 8% faster per layer in isolation, but KV-heads-times
-    the FLOPs in general; not kept. What would win is reading the blocks in place: a naive C++ loop
-    over the block table (``torch.utils.cpp_extension``) took 900 vs 1,500 us a layer for 32 decodes
-    of 100-150 tokens on a busy host. That is now ``_cpu_paged.c`` (module docstring), used for
-    CPU float32 decodes whenever it was built; the gather path above stays for other dtypes and
-    devices, and for installs without a C compiler.
+    Why this shape (measured alternatives in the comment below): batching decodes per length
+    bucket beats one SDPA call per decode; one padded bucket for all loses to the extra bytes
+    copied; reading the blocks in place (the C kernel) beats any gather.
     """
+
+    # Measured on one CPU thread (block_size 16, 8/4 heads of 32, fp32), per layer including the
+    # cache write: 32 decodes of 32-160 tokens 1.9-2.1 ms looped vs 1.2-1.3 ms batched; 64 decodes
+    # of 32-914 tokens 11.0-11.4 ms looped vs 8.3-9.1 ms in length buckets. A previous attempt
+    # batched into ONE padded bucket and lost (37 ms for the second case, reproduced): every row
+    # padded to the longest doubles the bytes copied, and a 60 MB gather, above glibc's largest mmap
+    # threshold (32 MiB), was a fresh mmap each call, page-faulting at 2 GB/s (28.6 ms of the 37).
+    # Not the cause: SDPA with an additive mask stays on the CPU flash kernel, and GQA as the query
+    # axis repeats nothing. Matmul + masked softmax (1.2x-3x slower) and SDPA's math backend (3.5x)
+    # lost to the flash kernel at these sizes.
+    #
+    # Re-measured at the engine bench's batch 32 (decodes of 32-160 tokens, 4 layers: gather 1.35 ms
+    # and SDPA 2.1 ms a step), alternating variants in one process. Lost: (1) a dense decode cache,
+    # each layer keeping its decodes' K/V head-major across steps and appending one token a step
+    # instead of gathering: no gain even when 61 of 63 steps reused it (attention 3.7 vs 3.5 ms a
+    # step), since the 4 MB a layer reads from DRAM only moves from the gather into SDPA (760 us a
+    # call on the dense buffer vs 450 us on the just-gathered, cache-hot scratch); with length buckets
+    # changing every few steps it lost (5.2 vs 4.0 ms). (2) Matmul attention on the scratch, one bmm
+    # per KV head: 2,318 vs 2,677 tok/s. (3) Gathering head-major (``index_select`` into a permuted
+    # ``out``): the gather alone 2x slower. (4) All KV heads as one block-diagonal 128-dim head (one
+    # SDPA task per request instead of per head): 8% faster per layer in isolation, but KV-heads-times
+    # the FLOPs in general; not kept. What would win is reading the blocks in place: a naive C++ loop
+    # over the block table (``torch.utils.cpp_extension``) took 900 vs 1,500 us a layer for 32 decodes
+    # of 100-150 tokens on a busy host. That is now ``_cpu_paged.c`` (module docstring), used for
+    # CPU float32 decodes whenever it was built; the gather path above stays for other dtypes and
+    # devices, and for installs without a C compiler.
 
     name = "torch"
 
@@ -224,22 +228,12 @@ class TorchAttentionBackend:
         self._pool: ThreadPoolExecutor | None = None  # kernel workers when torch has > 1 thread
         self._pool_size = 0
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+    def _attend(
+        self, query: torch.Tensor, step_kv: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+        metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] (T may include padding), kv_cache
-        (2, num_blocks, B, Hkv, D) -> [T, H, D] in query's dtype, zeros on padded rows.
-
-        Writes the actual tokens' key/value into ``kv_cache`` first (padding is never written).
-        """
-        n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
+        """Decodes batched (the CPU kernel, or length buckets), then one SDPA call per prefill chunk."""
+        key, value = step_kv
         if (
             self.cpu_kernel
             and kv_cache.device.type == "cpu"
@@ -350,9 +344,10 @@ class TorchAttentionBackend:
     def _scratch_for(self, flat_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """A [num_blocks, B, Hkv, D] view of the reusable gather buffer (grown on demand; every
         layer and bucket shares it, SDPA has consumed it before the next gather). A fresh tensor
-        per gather page-faulted: 64 decodes of 32-914 tokens took 63 ms per layer with fresh
-        buffers (~7k page faults per step) against 29 ms with this one, same process, busy host;
-        at 32 decodes of ~100 tokens the two measure the same."""
+        per gather page-faults on every call once the gathers are large."""
+        # Measured: 64 decodes of 32-914 tokens, 63 ms per layer with fresh buffers (~7k page faults
+        # per step) against 29 ms with this one, same process, busy host; at 32 decodes of ~100
+        # tokens the two measure the same.
         shape = (num_blocks, *flat_cache.shape[1:])
         numel = num_blocks * flat_cache[0].numel()
         buf = self._scratch

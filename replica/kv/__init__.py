@@ -10,6 +10,8 @@ block whose tokens produce it; the events, replayed, reproduce the cached set pe
                                                                    │ take_events()   ├─ FreeKVCacheBlockQueue
                                                                    ▼                 └─ CpuBlockPool (optional)
                                                                publisher
+
+Imports: ``kvroute`` (hashing, event types) and numpy; no torch, no network library.
 """
 
 from replica.kv.block import FreeKVCacheBlockQueue, KVCacheBlock

@@ -7,8 +7,12 @@ deterministic default checkpoint in that same format. Guarantees: weights load s
 Hugging Face name (any mismatch is a ``ModelLoadError`` naming it), the forward matches
 transformers' numerics, and every failure to load is a ``ModelLoadError`` naming file and folder.
 
-``config``, ``tokenizer`` and ``errors`` import no torch (the router shares the tokenizer logic);
-the torch-based names below are imported on first use.
+``config`` imports no torch (the tokenizer and the folder errors live in ``kvroute``, shared with
+the router); the torch-based names below (``llama`` with ``rope``, ``loader``, ``default_model``)
+are imported on first use.
+
+Imports: ``kvroute`` (tokenizer, model-folder errors), ``replica.attention``, torch, safetensors,
+tokenizers.
 """
 
 from __future__ import annotations

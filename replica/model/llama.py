@@ -4,15 +4,14 @@ cache.
 Architecture (Touvron et al. 2023, "LLaMA"; Qwen2 adds q/k/v bias): token embedding, then per
 layer ``h = x + o_proj(attn(rope(q), rope(k), v))`` over ``input_layernorm(x)`` and
 ``out = h + down(silu(gate(y)) * up(y))`` over ``y = post_attention_layernorm(h)``; a final RMSNorm
-and the LM head. RoPE (Su et al. 2021) in the rotate-half convention of Hugging Face's Llama:
-the head dimension is split in two halves ``(x1, x2)`` rotated as ``(x1 cos - x2 sin, x2 cos + x1
-sin)``. Parameter names are Hugging Face's, so a ``model.safetensors`` state dict loads as is.
+and the LM head; RoPE lives in ``replica.model.rope``. Parameter names are Hugging Face's, so a
+``model.safetensors`` state dict loads as is.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,74 +21,35 @@ from kvroute.model_folder import ModelLoadError
 from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 from replica.attention.torch_backend import TorchAttentionBackend
-from replica.model.config import ModelConfig, RopeScaling
+from replica.model.config import ModelConfig
+from replica.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+
+__all__ = [
+    "LayerInputs",
+    "LlamaAttention",
+    "LlamaDecoder",
+    "LlamaDecoderLayer",
+    "LlamaMLP",
+    "LlamaModel",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "linear_t",
+    "rms_norm",
+    "rope_inv_freq",
+]
 
 _MAX_NAMES_IN_ERROR = 12
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies float32 [head_dim / 2] (radians per position) and the cos/sin scale.
+class LayerInputs(NamedTuple):
+    """What every decoder layer of one step reads besides its hidden states and its own KV cache:
+    the rotary (cos, signed sin) of the step's positions, each [T, 1, head_dim] (``RotaryEmbedding``),
+    and the step's ``AttentionMetadata``. Built once per step by ``LlamaModel.forward``."""
 
-    ``inv_freq[i] = theta ** (-2i / head_dim)`` (RoFormer), then per ``scaling.rope_type``:
-    ``linear`` divides by ``factor``; ``llama3`` (Llama 3.1) keeps wavelengths shorter than
-    ``orig / high_freq_factor``, divides those longer than ``orig / low_freq_factor`` by ``factor``,
-    and interpolates linearly in ``orig / wavelength`` between; ``yarn`` (arXiv:2309.00071 §3)
-    blends interpolated and extrapolated frequencies with a linear ramp over the dimensions whose
-    rotation count over ``orig`` positions lies between ``beta_slow`` and ``beta_fast``, and scales
-    cos/sin by ``attention_factor`` (default ``0.1 ln(factor) + 1``). Computed on the CPU in float32.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq, 1.0
-    factor = scaling.factor
-    if scaling.rope_type == "linear":
-        return inv_freq / factor, 1.0
-    orig = scaling.original_max_position_embeddings
-    assert orig is not None  # the config parser guarantees it for llama3 and yarn
-    if scaling.rope_type == "llama3":
-        assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
-        low, high = scaling.low_freq_factor, scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
-        smooth = (orig / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= orig / high) & (wavelen <= orig / low)
-        return torch.where(medium, blended, scaled), 1.0
-    if scaling.rope_type == "yarn":
-        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling, orig)
-    raise ModelLoadError(f"unsupported rope_type {scaling.rope_type!r}")
-
-
-def _yarn_inv_freq(
-    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling, orig: int
-) -> tuple[torch.Tensor, float]:
-    factor = scaling.factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if scaling.attention_factor is not None:
-        attention_factor = scaling.attention_factor
-    elif scaling.mscale and scaling.mscale_all_dim:
-        attention_factor = mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
-    else:
-        attention_factor = mscale(factor)
-
-    def dim_of_rotations(rotations: float) -> float:
-        # The dimension index whose wavelength fits `rotations` times into `orig` positions.
-        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_of_rotations(scaling.beta_fast), dim_of_rotations(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # a ramp of width zero would divide by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    extrapolation_weight = 1 - ramp
-    blended = (inv_freq / factor) * ramp + inv_freq * extrapolation_weight
-    return blended, float(attention_factor)
+    cos: torch.Tensor
+    sin: torch.Tensor
+    metadata: AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -108,69 +68,15 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``RMSNorm`` as a function. In float32 ``torch.rms_norm`` computes Hugging Face's expression
-    (the same ops in the same order; bitwise equal at 1, 32 and 2,048 tokens when measured) in one
-    call instead of six (9 vs 15 us at 1 token, one thread); other dtypes keep HF's rounding:
-    normalise in float32, cast, then scale."""
+    (the same ops in the same order, bitwise equal) in one call instead of six; other dtypes keep
+    HF's rounding: normalise in float32, cast, then scale."""
+    # Measured: bitwise equal at 1, 32 and 2,048 tokens; 9 vs 15 us at 1 token, one thread.
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return torch.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of the step's positions, looked up in tables computed once per device and dtype.
-
-    Table row ``p`` holds ``cos(p * inv_freq)`` and ``sin(p * inv_freq)`` (each half repeated, as
-    rotate-half needs), times the attention scaling, computed in float32 exactly as the on-the-fly
-    formula would and then cast; the sin half that multiplies ``x2`` is stored negated, so that
-    ``apply_rotary`` needs no ``neg`` (``x2 * -s`` is exactly ``-(x2 * s)``). Tables grow by
-    doubling to cover the largest position seen (a 128k-context model never builds rows it does
-    not use). ``inv_freq`` is a plain float32 attribute rather than a buffer so that
-    ``model.to(bfloat16)`` can't round it.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.inv_freq, self.attention_scaling = rope_inv_freq(
-            config.head_dim, config.rope_theta, config.rope_scaling
-        )
-        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """[>= num_positions, 2, head_dim] in ``dtype``: row p is (cos, signed sin) of position p."""
-        key = (device, dtype)
-        table = self._tables.get(key)
-        if table is None or table.shape[0] < num_positions:
-            size = max(64, 1 << (max(num_positions, 1) - 1).bit_length())
-            positions = torch.arange(size, dtype=torch.int64, device="cpu")
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
-            table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
-            table = self._tables[key] = table.to(device=device, dtype=dtype)
-        return table
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [T] -> (cos, signed sin), each [T, 1, head_dim] in ``dtype`` (views of
-        one gathered [T, 2, head_dim] tensor). ``max_position`` (the largest position, when the
-        caller knows it) saves reading it back from ``positions``."""
-        if max_position is None:
-            max_position = int(positions.max()) if positions.numel() else 0
-        rows = self.table(max_position + 1, positions.device, dtype).index_select(0, positions)
-        return rows[:, 0:1], rows[:, 1:2]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by cos / signed sin [T, 1, head_dim] (``RotaryEmbedding``):
-    ``x * cos + cat(x2, x1) * sin``, which is HF's rotate-half ``x * cos + cat(-x2, x1) * sin``
-    with the sign folded into the table. Returns a new contiguous tensor."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((x2, x1), dim=-1)
-    rotated.mul_(sin)
-    return torch.mul(x, cos).add_(rotated)
 
 
 class LlamaAttention(nn.Module):
@@ -208,15 +114,9 @@ class LlamaAttention(nn.Module):
         self.qkv_weight_t, self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         self.o_weight_t, _ = _fuse_linears(self.o_proj)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into ``kv_cache``."""
+        cos, sin, metadata = step
         num_tokens = x.shape[0]
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear_t(x, self.qkv_weight_t, self.qkv_bias)
@@ -233,13 +133,13 @@ class LlamaMLP(nn.Module):
     transposed buffer (``gate_weight_t``, ``up_weight_t``, ``down_weight_t``, see ``_fuse_linears``).
 
     Gate and up run as two matmuls, not one over a fused ``[gate; up]`` weight as they once did:
-    ``silu`` on the strided half of a fused output is 2.4x slower than on a contiguous gate (2.4 vs
-    1.0 ms on 2,048 x 688 floats, one thread) and rounds differently; end to end the
-    batch-32 decode bench went from 2,394 to 2,480 tok/s (same process, alternating; within this
-    busy host's noise) with batch 1 and 8 unchanged. A contiguous gate is also what Hugging Face's
-    ``act_fn(gate_proj(x))`` runs on. Splitting prefill into 128-512-row chunks (to keep the
-    intermediates in cache) gained 3% of a 2,048-token prefill step and nothing on TTFT: not kept.
+    ``silu`` on the strided half of a fused output is slower than on a contiguous gate and rounds
+    differently, and a contiguous gate is what Hugging Face's ``act_fn(gate_proj(x))`` runs on.
     """
+
+    # Measured: silu 2.4 vs 1.0 ms on 2,048 x 688 floats (one thread); the batch-32 decode bench
+    # 2,394 -> 2,480 tok/s (within noise), batch 1 and 8 unchanged. Prefill in 128-512-row chunks
+    # (intermediates in cache) gained 3% of a 2,048-token prefill step and nothing on TTFT: not kept.
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -267,9 +167,9 @@ class LlamaMLP(nn.Module):
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [T, in] and ``weight_t = weight.t()`` stored [in, out]
-    row-major (``_fuse_linears``): ``x @ weight_t (+ bias)``. Measured bitwise equal to
-    ``F.linear`` from 8 rows up (MKL, one thread); at 1 row a different gemv path rounds
-    differently (2e-5 on outputs of magnitude ~10)."""
+    row-major (``_fuse_linears``): ``x @ weight_t (+ bias)``. Bitwise equal to ``F.linear`` from 8
+    rows up (MKL); at 1 row a different gemv path rounds differently (in the last digits)."""
+    # Measured (MKL, one thread): at 1 row 2e-5 apart on outputs of magnitude ~10.
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -282,11 +182,11 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
 
     Why transposed: MKL's ``x @ W.t()`` with ``W`` stored [out, in] (what ``F.linear`` runs) is
     slower than ``x @ Wt`` with ``Wt`` stored [in, out] when the weights are not in cache, which in
-    a decode step they never are (the step streams the KV cache past them). One thread, weights
-    from DRAM, us per call, [in, out] vs [out, in]: 32 rows 256x1376 363 vs 436, 256x512 134 vs
-    165, 688x256 179 vs 183; 1 row 256x1376 88 vs 179. Bench, same process alternating (medians
-    of 5; runs swing +-10% on this busy 2-core host): decode tok/s 2,399 -> 2,682 at batch 32,
-    1,422 -> 1,543 at 8, 313 -> 380 at 1."""
+    a decode step they never are (the step streams the KV cache past them)."""
+    # Measured, one thread, weights from DRAM, us per call, [in, out] vs [out, in]: 32 rows 256x1376
+    # 363 vs 436, 256x512 134 vs 165, 688x256 179 vs 183; 1 row 256x1376 88 vs 179. Engine bench,
+    # same process alternating: decode tok/s 2,399 -> 2,682 at batch 32, 1,422 -> 1,543 at 8,
+    # 313 -> 380 at 1.
     weight_t = torch.cat([lin.weight.detach().t() for lin in linears], dim=1)  # one copy, contiguous
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
@@ -310,18 +210,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Adds into ``x`` in place: the decoder owns its hidden
         states (the embedding lookup makes a fresh tensor), and this saves two allocations."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x = x.add_(self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), cos, sin, kv_cache, metadata))
+        x = x.add_(self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), kv_cache, step))
         return x.add_(self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps)))
 
 
@@ -391,10 +284,11 @@ class LlamaModel(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} KV caches (one per layer), got {len(kv_caches)}")
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary_emb(positions, h.dtype, max_position=attn_metadata.max_seq_len - 1)
+        step = LayerInputs(cos, sin, attn_metadata)
         # Layers are called through .forward: nn.Module.__call__'s hook checks cost ~3 us a call,
         # and a decode step of a 4-layer model made ~50 of them.
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer.forward(h, cos, sin, kv_cache, attn_metadata)
+            h = layer.forward(h, kv_cache, step)
         norm = self.model.norm
         return rms_norm(h, norm.weight, norm.eps)
 

@@ -8,6 +8,7 @@ the requested resourceVersion, or one ERROR event with code 410 when that versio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -16,11 +17,11 @@ from urllib.parse import parse_qs, urlparse
 
 import kubernetes.client
 import pytest
-from tests.support import wait_for
 
 from kvroute.hashing import BlockHasher
 from router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery, parse_address
 from router.registry import ReplicaRegistry
+from tests.support import wait_for
 
 NAMESPACE = "kvroute"
 SERVICE = "kvroute-replicas"
@@ -204,18 +205,28 @@ def api():
 
 @pytest.fixture
 def discovery(api):
-    made: list[KubernetesDiscovery] = []
+    """Makes KubernetesDiscovery objects on the fake API server (``port_name`` "grpc" unless given),
+    each stopped after the test."""
+    with contextlib.ExitStack() as stops:
 
-    def make(**kw) -> KubernetesDiscovery:
-        client = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=f"http://127.0.0.1:{api.port}"))
-        kw.setdefault("port_name", "grpc")
-        d = KubernetesDiscovery(NAMESPACE, SERVICE, api_client=client, **kw)
-        made.append(d)
-        return d
+        def make(**kw) -> KubernetesDiscovery:
+            client = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=f"http://127.0.0.1:{api.port}"))
+            d = KubernetesDiscovery(NAMESPACE, SERVICE, api_client=client, **{"port_name": "grpc", **kw})
+            stops.callback(d.stop)
+            return d
 
-    yield make
-    for d in made:
-        d.stop()
+        yield make
+
+
+@pytest.fixture
+def watching(api, discovery) -> KubernetesDiscovery:
+    """A started discovery that listed one slice (replicas-a: 10.0.0.1 ready) and opened its watch."""
+    api.put(endpoint_slice("replicas-a", [("10.0.0.1", True)]))
+    d = discovery()
+    d.start()
+    assert d.wait_listed(5)
+    wait_for(lambda: any(r.startswith("watch") for r in api.requests), what="the watch")
+    return d
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------
@@ -259,12 +270,8 @@ def test_a_deleted_slice_drops_its_addresses(api, discovery):
     wait_for(lambda: d.addresses() == {"10.0.1.1:50051"}, what="replicas-a gone")
 
 
-def test_an_expired_watch_410_relists(api, discovery):
-    api.put(endpoint_slice("replicas-a", [("10.0.0.1", True)]))
-    d = discovery()
-    d.start()
-    assert d.wait_listed(5)
-    wait_for(lambda: any(r.startswith("watch") for r in api.requests), what="the watch")
+def test_an_expired_watch_410_relists(api, watching):
+    d = watching
     api.put_while_compacting(endpoint_slice("replicas-a", [("10.0.0.1", True), ("10.0.0.7", True)]))
     wait_for(lambda: d.addresses() == {"10.0.0.1:50051", "10.0.0.7:50051"}, what="the relisted change")
     assert d.lists == 2
@@ -272,12 +279,8 @@ def test_an_expired_watch_410_relists(api, discovery):
     wait_for(lambda: "10.0.1.1:50051" in d.addresses(), what="a change after the relist")
 
 
-def test_a_dropped_watch_resumes_from_the_last_resource_version(api, discovery):
-    api.put(endpoint_slice("replicas-a", [("10.0.0.1", True)]))
-    d = discovery()
-    d.start()
-    assert d.wait_listed(5)
-    wait_for(lambda: any(r.startswith("watch") for r in api.requests), what="the watch")
+def test_a_dropped_watch_resumes_from_the_last_resource_version(api, watching):
+    d = watching
     api.drop_watches()
     api.put(endpoint_slice("replicas-a", [("10.0.0.1", True), ("10.0.0.2", True)]))
     wait_for(lambda: d.addresses() == {"10.0.0.1:50051", "10.0.0.2:50051"}, what="the change after the drop")

@@ -3,7 +3,7 @@
 The stand-ins implement ``flash_attn_varlen_func``'s documented contract (paged K/V through
 ``block_table``, key lengths from ``seqused_k`` or ``cu_seqlens_k``, bottom-right causal mask) with
 plain torch, so a wrong keyword, a wrong ``cu_seqlens_k`` or a padding slip shows up without a GPU.
-The real kernels are compared in test_attention_flash.py (CUDA).
+The real kernels are compared in test_flash.py (CUDA).
 """
 
 from __future__ import annotations
@@ -20,15 +20,7 @@ from replica.attention import (
     allocate_kv_caches,
     build_attention_metadata,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny tensors: two OpenMP threads on a busy 2-core machine only add barrier waits.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.support import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 
 def _reference_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_table,

@@ -16,6 +16,7 @@ from replica.attention import (
     select_backend,
     write_kv_cache,
 )
+from tests.support import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 SENTINEL = 7.0
 
@@ -31,15 +32,6 @@ def decode_path(request, monkeypatch):
     if request.param == "gather":
         monkeypatch.setattr(torch_backend, "_cpu_paged", None)
     return request.param
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny tensors: two OpenMP threads on a busy 2-core machine only add barrier waits.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def naive_attention(

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.support import make_cpu_engine, random_tokens
 
 from replica.engine.engine import LLMEngine
 from replica.engine.params import FinishReason, SamplingParams
 from replica.engine.request import RequestStatus
+from tests.support import make_cpu_engine, random_tokens
 
 torch.set_num_threads(1)
 

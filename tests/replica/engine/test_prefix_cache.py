@@ -7,12 +7,12 @@ import functools
 
 import pytest
 import torch
-from tests.support import make_cpu_engine, random_tokens
 
 import replica.engine.runner as runner_module
 from replica.attention import build_attention_metadata
 from replica.engine.engine import LLMEngine
 from replica.engine.params import SamplingParams
+from tests.support import make_cpu_engine, random_tokens
 
 torch.set_num_threads(1)
 

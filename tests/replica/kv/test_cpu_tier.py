@@ -8,32 +8,20 @@ so a block copied back from the CPU can be checked to hold the data of its hash.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter
 
-import cbor2
 import pytest
 
 from kvroute.events import CPU, GPU, BlockRemoved, BlockStored
 from replica.kv import KVCacheManager, SimpleKVRequest
+from tests.replica.kv._reference import event_int as ev
+from tests.replica.kv._reference import ref_chain as reference_chain
 
 B = 2
 
 
 def ref_chain(tokens):
-    parent = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
-    out = []
-    for i in range(len(tokens) // B):
-        parent = hashlib.sha256(
-            cbor2.dumps((parent, tuple(tokens[i * B : (i + 1) * B]), None), canonical=True)
-        ).digest()
-        out.append(parent)
-    return out
-
-
-def ev(digest):
-    return struct.unpack(">Q", digest[-8:])[0]
+    return reference_chain(tokens, B)
 
 
 A_TOKENS = [1, 2, 3, 4, 5]

@@ -15,17 +15,13 @@ are written in doc ids and shifted by ``ours``. Hashes are recomputed here from 
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
-import cbor2
 import pytest
 
 from kvroute.events import BlockRemoved, BlockStored
 from replica.kv import KVCacheManager, SimpleKVRequest
+from tests.replica.kv._reference import ref_event_ints
 
 B = 4
-SEED_HASH = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
 
 
 def ours(doc_ids):
@@ -34,13 +30,7 @@ def ours(doc_ids):
 
 def chain(tokens):
     """Reference digests of the full blocks (DESIGN §2, no extra keys), as event ints."""
-    parent, out = SEED_HASH, []
-    for i in range(len(tokens) // B):
-        parent = hashlib.sha256(
-            cbor2.dumps((parent, tuple(tokens[i * B : (i + 1) * B]), None), canonical=True)
-        ).digest()
-        out.append(struct.unpack(">Q", parent[-8:])[0])
-    return out
+    return ref_event_ints(tokens, B)
 
 
 REQ0 = list(range(1, 16))  # 15 prompt tokens

@@ -6,33 +6,19 @@ cached keeps its own copy; both copies are registered and both are announced.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter
-
-import cbor2
 
 from kvroute.events import GPU, BlockRemoved, BlockStored
 from replica.kv import KVCacheManager, SimpleKVRequest
+from tests.replica.kv._reference import ref_event_ints
 
 B = 4
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def ref_event_ints(tokens):
-    parent = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
-    out = []
-    for i in range(len(tokens) // B):
-        parent = hashlib.sha256(
-            cbor2.dumps((parent, tuple(tokens[i * B : (i + 1) * B]), None), canonical=True)
-        ).digest()
-        out.append(struct.unpack(">Q", parent[-8:])[0])
-    return out
-
-
-H0, H1 = ref_event_ints(PROMPT)
+H0, H1 = ref_event_ints(PROMPT, B)
 OTHER = list(range(100, 116))  # 16 unrelated tokens: 4 full blocks
-C = ref_event_ints(OTHER)
+C = ref_event_ints(OTHER, B)
 
 
 def admit(mgr, req):

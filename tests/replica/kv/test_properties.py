@@ -19,11 +19,8 @@ after every step:
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter
 
-import cbor2
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,8 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.hashing import BlockHashKeys
 from replica.kv import KVCacheManager, SimpleKVRequest
+from tests.replica.kv._reference import NONE_HASH, event_int, ref_digest
 
-NONE_HASH = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
 MAX_TOKENS = 40
 # Three base prompts over a tiny vocabulary: requests take a prefix of one and add a tail.
 BASES = [
@@ -40,14 +37,6 @@ BASES = [
     [5, 5, 5, 5, 6, 6, 6, 6] * 4,
     list(range(9, 41)),
 ]
-
-
-def ref_digest(parent: bytes, tokens, extra) -> bytes:
-    return hashlib.sha256(cbor2.dumps((parent, tuple(tokens), extra), canonical=True)).digest()
-
-
-def event_int(digest: bytes) -> int:
-    return struct.unpack(">Q", digest[-8:])[0]
 
 
 class Req:
