@@ -66,7 +66,6 @@ from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
-from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute_tools.supervise import wait_serving  # noqa: E402
 from router.consumer import EventConsumer  # noqa: E402
