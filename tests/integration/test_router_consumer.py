@@ -1,6 +1,6 @@
-"""EventConsumer against a real redis-server and real KVEventPublishers (router/consumer.py, DESIGN.md §4, §5).
+"""EventConsumer against a real redis-server and real RedisEventPublishers (router/consumer.py, DESIGN.md §4, §5).
 
-Each replica here is a KVEventPublisher driven directly (no engine): random BlockStored /
+Each replica here is a RedisEventPublisher driven directly (no engine): random BlockStored /
 BlockRemoved events, and a ReplicaCacheState fed the same events as the truth. After every fault
 the index must equal, per replica and per medium, the truth's multiset of hashes within 2 s; the
 wait calls each replica's idle step hook, as an idle engine does every 50 ms, so that snapshot
@@ -10,6 +10,7 @@ requests get answered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -17,21 +18,30 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from tests.support import wait_for
 
 from kvroute.cache_state import ReplicaCacheState
+from kvroute.engine_info import EngineInfo
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored
 from kvroute.hashing import BlockHasher
+from kvroute.heartbeat import EngineLoad
 from kvroute.redis_layout import F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
-from replica.publisher import KVEventPublisher
+from kvroute_tools.redis_server import RedisServer
+from replica.publisher import RedisEventPublisher
 from router.consumer import EventConsumer, _snapshot_position
 from router.index import BlockIndex
 from router.registry import ReplicaRegistry
+from tests.support import wait_for
 
 ROUTER_IDENTITY = BlockHasher().identity  # ("sha256_cbor", seed digest, 16)
-LOAD = {"free_blocks": 40, "running": 2, "waiting": 1, "usage": 0.375, "queued_prefill_tokens": 96}
+LOAD = EngineLoad(free_blocks=40, running=2, waiting=1, usage=0.375, queued_prefill_tokens=96)
+
+
+def engine_info(identity: tuple[str, str, int], num_blocks: int = 64) -> EngineInfo:
+    """A replica's identity with the hash triple ``identity`` (algorithm, seed digest, block_size)."""
+    algorithm, seed_digest, block_size = identity
+    return EngineInfo(model="tiny", vocab_size=500, max_model_len=1024, block_size=block_size,
+                      num_blocks=num_blocks, hash_algorithm=algorithm, hash_seed_digest=seed_digest)
 SYNC_TIMEOUT = 2.0
 
 
@@ -44,15 +54,10 @@ class FakeReplica:
         self.replica_id = replica_id
         self.rng = random.Random(seed)
         self.truth = ReplicaCacheState()
-        algorithm, seed_digest, block_size = ROUTER_IDENTITY
-        self.identity = {
-            "address": f"127.0.0.1:{port}", "model": "tiny", "block_size": str(block_size),
-            "hash_algorithm": algorithm, "hash_seed_digest": seed_digest, "num_blocks": "64",
-            **(identity or {}),
-        }
+        info = dataclasses.replace(engine_info(ROUTER_IDENTITY), **(identity or {}))
         publisher_kw.setdefault("heartbeat_interval", 0.2)
         publisher_kw.setdefault("snapshot_interval", 3600)  # snapshots only at start and on request
-        self.pub = KVEventPublisher(server.url, layout, replica_id, self.identity, **publisher_kw)
+        self.pub = RedisEventPublisher(server.url, layout, replica_id, info, f"127.0.0.1:{port}", **publisher_kw)
         self.pub.start()
 
     def random_events(self) -> list:
@@ -386,10 +391,8 @@ def test_the_index_tracks_a_real_kv_cache_manager_through_a_router_restart(serve
     from replica.kv import KVCacheManager, SimpleKVRequest
 
     mgr = KVCacheManager(num_blocks=24, block_size=4, cpu_num_blocks=8, copy_fn=lambda *a: None)
-    algorithm, seed_digest, block_size = mgr.hasher.identity
-    identity = {"address": "127.0.0.1:50051", "model": "tiny", "block_size": block_size,
-                "hash_algorithm": algorithm, "hash_seed_digest": seed_digest, "num_blocks": 24}
-    pub = KVEventPublisher(server.url, layout, "replica-kv", identity, heartbeat_interval=0.2)
+    info = engine_info(mgr.hasher.identity, num_blocks=24)
+    pub = RedisEventPublisher(server.url, layout, "replica-kv", info, "127.0.0.1:50051", heartbeat_interval=0.2)
     pub.start()
     rng = random.Random(7)
     prefixes = [[rng.randrange(1, 500) for _ in range(16)] for _ in range(3)]
@@ -435,7 +438,7 @@ def test_the_index_tracks_a_real_kv_cache_manager_through_a_router_restart(serve
 # -- registry and discovery ---------------------------------------------------------------------------------
 def test_incompatible_replicas_are_not_routable_and_not_indexed(server, layout, replicas):
     ok = replicas("replica-ok")
-    big = replicas("replica-big", identity={"block_size": "32"})
+    big = replicas("replica-big", identity={"block_size": 32})
     salted = replicas("replica-salted", identity={"hash_seed_digest": BlockHasher(seed="other").seed_digest})
     registry = ReplicaRegistry(ROUTER_IDENTITY, "redis")
     with running_consumer(server, layout, registry) as consumer:

@@ -1,4 +1,4 @@
-"""KVEventPublisher against a real redis-server (replica/publisher.py, DESIGN.md §3.3, §4).
+"""RedisEventPublisher against a real redis-server (replica/publisher/, DESIGN.md §3.3, §4).
 
 The reader in these tests does what the router's consumer will do: XRANGE the stream, decode each
 batch and feed it to ReplicaCacheState, loading the snapshot when it starts late or sees a gap.
@@ -14,25 +14,24 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import redis
-from tests.support import wait_for
 
 from kvroute.cache_state import BatchResult, ReplicaCacheState
+from kvroute.engine_info import EngineInfo
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, HEARTBEAT_FIELDS, RedisLayout
-from kvroute_tools.redis_server import RedisServer
+from kvroute.heartbeat import FIELDS, EngineLoad, Heartbeat
+from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.v1 import events_pb2
-from replica.publisher import KVEventPublisher
+from kvroute_tools.redis_server import RedisServer
+from replica.publisher import RedisEventPublisher
+from tests.support import wait_for
 
 REPLICA = "replica-a"
-IDENTITY = {
-    "address": "127.0.0.1:50051",
-    "model": "kvroute-tiny-llama",
-    "block_size": "16",
-    "hash_algorithm": "sha256_cbor",
-    "hash_seed_digest": "9bd96a485ad84efd",
-    "num_blocks": "64",
-}
-LOAD = {"free_blocks": 40, "running": 2, "waiting": 1, "usage": 0.375, "queued_prefill_tokens": 96}
+ADDRESS = "127.0.0.1:50051"
+INFO = EngineInfo(
+    model="kvroute-tiny-llama", vocab_size=529, max_model_len=2048, block_size=16, num_blocks=64,
+    hash_algorithm="sha256_cbor", hash_seed_digest="9bd96a485ad84efd",
+)
+LOAD = EngineLoad(free_blocks=40, running=2, waiting=1, usage=0.375, queued_prefill_tokens=96)
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -105,9 +104,9 @@ def layout():
     return RedisLayout(namespace="pubtest")
 
 
-def make_publisher(server: RedisServer, layout: RedisLayout, **kw) -> KVEventPublisher:
+def make_publisher(server: RedisServer, layout: RedisLayout, **kw) -> RedisEventPublisher:
     kw.setdefault("heartbeat_interval", 0.2)
-    return KVEventPublisher(server.url, layout, REPLICA, IDENTITY, **kw)
+    return RedisEventPublisher(server.url, layout, REPLICA, INFO, ADDRESS, **kw)
 
 
 # -- without an engine --------------------------------------------------------------------------------
@@ -135,10 +134,15 @@ def test_heartbeat_has_every_field_and_a_ttl_and_expires_after_close(server, lay
         pub.on_step(cache.step(), LOAD, cache.snapshot)
         wait_for(lambda: r.hget(key, "last_seq") == "2", what="a heartbeat with last_seq 2")
         hb = r.hgetall(key)
-        assert set(hb) == set(HEARTBEAT_FIELDS)
-        assert {f: hb[f] for f in IDENTITY} == IDENTITY
-        assert hb["replica_id"] == REPLICA and hb["epoch"] == str(pub.epoch)
-        assert {f: hb[f] for f in LOAD} == {f: str(v) for f, v in LOAD.items()}
+        assert set(hb) == set(FIELDS)
+        beat = Heartbeat.from_redis(hb)
+        assert beat == Heartbeat.of(
+            INFO, replica_id=REPLICA, address=ADDRESS, epoch=pub.epoch, last_seq=2, load=LOAD, ts=beat.ts
+        )
+        assert hb == beat.to_redis()  # every field as the record writes it, e.g. usage "0.375"
+        assert (hb["model"], hb["block_size"], hb["free_blocks"], hb["usage"]) == (
+            "kvroute-tiny-llama", "16", "40", "0.375"
+        )
         assert 0 < r.pttl(key) <= 600  # 3 heartbeats of 0.2 s
         first_ts = hb["ts"]
         wait_for(lambda: r.hget(key, "ts") != first_ts, what="the next heartbeat")
@@ -267,7 +271,7 @@ def make_prompts(seed: int, n: int) -> list[list[int]]:
 class TimedHook:
     """The step hook, timed: the publisher must never block the engine thread."""
 
-    def __init__(self, pub: KVEventPublisher):
+    def __init__(self, pub: RedisEventPublisher):
         self.pub = pub
         self.max_s = 0.0
         self.calls = 0
@@ -304,7 +308,7 @@ def engine_cached(aeng) -> dict[str, Counter]:
     return asyncio.run(main())
 
 
-def settle(aeng, pub: KVEventPublisher) -> dict[str, Counter]:
+def settle(aeng, pub: RedisEventPublisher) -> dict[str, Counter]:
     """The engine's set once idle, after the publisher has written every batch assigned so far."""
     expected = engine_cached(aeng)
     wait_for(lambda: pub.last_seq_written == pub.last_seq, what="the publisher to flush")
@@ -313,11 +317,11 @@ def settle(aeng, pub: KVEventPublisher) -> dict[str, Counter]:
 
 def start_replica(model_dir, server, layout, **kw):
     from replica.engine.async_engine import AsyncLLMEngine
-    from replica.publisher import engine_identity
 
     engine = make_engine(model_dir)
-    identity = engine_identity(engine, "127.0.0.1:50051", "kvroute-tiny-llama")
-    pub = KVEventPublisher(server.url, layout, REPLICA, identity, heartbeat_interval=0.2, **kw)
+    pub = RedisEventPublisher(
+        server.url, layout, REPLICA, engine.info("kvroute-tiny-llama"), ADDRESS, heartbeat_interval=0.2, **kw
+    )
     hook = TimedHook(pub)
     aeng = AsyncLLMEngine(engine, step_hook=hook)
     pub.start()
