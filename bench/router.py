@@ -80,6 +80,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
+from kvroute.heartbeat import Heartbeat  # noqa: E402
 from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
@@ -110,14 +111,14 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def heartbeat(rid: str, i: int, hasher: BlockHasher) -> dict[str, str]:
+def heartbeat(rid: str, i: int, hasher: BlockHasher) -> Heartbeat:
     algorithm, digest, block_size = hasher.identity
-    return {
+    return Heartbeat.from_redis({
         "replica_id": rid, "address": f"10.0.{i // 250}.{i % 250}:50051", "epoch": "1", "last_seq": "0",
         "model": "m", "block_size": str(block_size), "hash_algorithm": algorithm, "hash_seed_digest": digest,
         "num_blocks": "100000", "free_blocks": "50000", "running": str(i % 7), "waiting": "0",
         "usage": "0.5", "queued_prefill_tokens": str(100 * (i % 5)), "ts": "0",
-    }
+    })
 
 
 def build_index(hasher: BlockHasher, rng: random.Random, docs_hashes: list[list[int]]) -> tuple[BlockIndex, int]:

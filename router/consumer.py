@@ -50,6 +50,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvroute.events import GPU, MEDIA
+from kvroute.heartbeat import Heartbeat
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.v1 import events_pb2
 from router.index import BlockIndex
@@ -422,9 +423,8 @@ class EventConsumer:
         for raw, head in zip(results[: len(keys)], results[len(keys):], strict=True):
             if not raw:
                 continue  # expired between SCAN and HGETALL
-            fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
             try:
-                info = self.registry.update_from_heartbeat(fields, now)
+                info = self.registry.update_from_heartbeat(Heartbeat.from_redis(raw), now)
             except ValueError as e:
                 log.warning("kv consumer: ignoring a heartbeat: %s", e)
                 continue
