@@ -49,9 +49,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvroute.events import GPU, MEDIA
+from kvroute.events import GPU, MEDIA, EventDecodeError
 from kvroute.heartbeat import Heartbeat
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
+from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
 from kvroute.v1 import events_pb2
 from router.index import BlockIndex
 from router.registry import ReplicaRegistry
@@ -64,50 +65,6 @@ _SNAPSHOT_POLL_S = 0.05  # how often an open gap re-reads the snapshot key
 _REQUEST_EVERY_S = 1.0  # how often an open gap re-publishes its snapshot request
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
-_SNAPSHOT_HEAD_BYTES = 128  # enough for CacheSnapshot's replica_id, epoch and seq (fields 1-3)
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]  # IndexError when truncated
-        value |= (b & 0x7F) << shift
-        i += 1
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
-def _snapshot_position(head: bytes | None) -> tuple[int, int] | None:
-    """(epoch, seq) from the first bytes of a serialized CacheSnapshot, or None when they are not
-    in ``head``. Reading 128 bytes per poll instead of the whole snapshot (megabytes) is what lets
-    every heartbeat poll check it."""
-    if not head:
-        return None
-    epoch = seq = None
-    i = 0
-    try:
-        while i < len(head) and (epoch is None or seq is None):
-            key, i = _varint(head, i)
-            field, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                value, i = _varint(head, i)
-                if field == 2:
-                    epoch = value
-                elif field == 3:
-                    seq = value
-            elif wire_type == 2:
-                length, i = _varint(head, i)
-                i += length
-            elif wire_type == 1:
-                i += 8
-            elif wire_type == 5:
-                i += 4
-            else:
-                return None
-    except IndexError:
-        pass
-    return (epoch, seq) if epoch is not None and seq is not None else None
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -415,7 +372,7 @@ class EventConsumer:
         for key in keys:
             pipe.hgetall(key)
         for key in keys:
-            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, _SNAPSHOT_HEAD_BYTES - 1)
+            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, SNAPSHOT_HEAD_BYTES - 1)
         results = pipe.execute() if keys else []
         now = time.monotonic()
         present = {}
@@ -429,7 +386,7 @@ class EventConsumer:
                 log.warning("kv consumer: ignoring a heartbeat: %s", e)
                 continue
             present[info.replica_id] = info
-            heads[info.replica_id] = _snapshot_position(head)
+            heads[info.replica_id] = snapshot_position(head)
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
@@ -586,23 +543,19 @@ class EventConsumer:
         self.epoch_changes += 1
 
     # -- snapshots -----------------------------------------------------------------------------------------
-    def _get_snapshot(self, rid: str) -> events_pb2.CacheSnapshot | None:
+    def _get_snapshot(self, rid: str) -> CacheSnapshot | None:
         assert self._client is not None
         data = self._client.get(self.layout.snapshot_key(rid))
         if data is None:
             return None
         try:
-            return events_pb2.CacheSnapshot.FromString(data)
-        except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
+            return decode_snapshot(data)
+        except EventDecodeError as e:
             log.warning("kv consumer: %s: undecodable snapshot (%s)", rid, e)
             return None
 
-    def _load_snapshot(self, rid: str, st: _ReplicaStream, snap: events_pb2.CacheSnapshot) -> None:
-        media: dict[str, Any] = {}
-        for m in snap.media:
-            medium = m.medium or GPU
-            if medium in MEDIA:
-                media.setdefault(medium, []).extend(m.block_hashes)
+    def _load_snapshot(self, rid: str, st: _ReplicaStream, snap: CacheSnapshot) -> None:
+        media = {medium: hashes for medium, hashes in snap.media.items() if medium in MEDIA}
         with self.index_lock:
             self.index.load(rid, media)
         if snap.epoch != st.epoch:
@@ -629,8 +582,8 @@ class EventConsumer:
                 return epoch > st.epoch or (epoch == st.epoch and seq >= need and seq > st.seq)
 
             # The header first: an old snapshot (megabytes) is not fetched every 50 ms.
-            head = _snapshot_position(
-                self._client.getrange(self.layout.snapshot_key(rid), 0, _SNAPSHOT_HEAD_BYTES - 1)
+            head = snapshot_position(
+                self._client.getrange(self.layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1)
             )
             snap = self._get_snapshot(rid) if head is None or covers(*head) else None
             if snap is not None and covers(snap.epoch, snap.seq):

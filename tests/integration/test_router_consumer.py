@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -28,7 +27,7 @@ from kvroute.redis_layout import F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.v1 import events_pb2
 from kvroute_tools.redis_server import RedisServer
 from replica.publisher import RedisEventPublisher
-from router.consumer import EventConsumer, _snapshot_position
+from router.consumer import EventConsumer
 from router.index import BlockIndex
 from router.registry import ReplicaRegistry
 from tests.support import wait_for
@@ -302,15 +301,6 @@ def test_a_block_with_two_copies_stays_indexed_until_the_last_copy_is_removed(se
         a.step([BlockRemoved((h,), GPU)])
         wait_synced(consumer, [a])
         assert consumer.index.lookup([h])["replica-a"].gpu == 0
-
-
-def test_snapshot_position_reads_epoch_and_seq_from_the_first_bytes():
-    snap = events_pb2.CacheSnapshot(replica_id="replica-" + "x" * 60, epoch=time.time_ns(), seq=300, ts=1.5)
-    snap.media.add(medium=GPU, block_hashes=list(range(1, 10000)))
-    data = snap.SerializeToString()
-    assert _snapshot_position(data[:128]) == (snap.epoch, 300)
-    assert _snapshot_position(data[:20]) is None  # truncated before the seq
-    assert _snapshot_position(b"") is None and _snapshot_position(None) is None
 
 
 # -- restarts and expiry ---------------------------------------------------------------------------------
