@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.events import GPU, EventDecodeError
+from kvroute.events import GPU, parse_message
 from kvroute.v1 import events_pb2
 
 SNAPSHOT_HEAD_BYTES = 128
@@ -64,11 +64,7 @@ def decode_snapshot(data: bytes) -> CacheSnapshot:
     Raises:
         EventDecodeError: the bytes are not a valid CacheSnapshot.
     """
-    msg = events_pb2.CacheSnapshot()
-    try:
-        msg.ParseFromString(data)
-    except Exception as e:  # protobuf raises its own DecodeError
-        raise EventDecodeError(f"CacheSnapshot: {e}") from e
+    msg = parse_message(events_pb2.CacheSnapshot, data)
     media: dict[str, list[int]] = {}
     for m in msg.media:
         media.setdefault(m.medium or GPU, []).extend(m.block_hashes)
