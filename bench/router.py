@@ -14,8 +14,8 @@ in one table with a verdict per goal.
   faster than a memo's dict walk finds it). Goal: p50 <= 0.5 ms, p99 <= 2 ms, with sha256_cbor
   (the default); xxhash_cbor is printed for reference.
 - **event ingest**, in block hashes per second on one core: through the consumer's apply path
-  (``EventConsumer._apply``: protobuf decode of a ``KVEventBatch`` + the index calls under the
-  index lock; batches of one ``BlockStored`` of 64 blocks with their token ids, as replicas publish
+  (``IndexFeed.entry``: the ordering rules, protobuf decode of a ``KVEventBatch`` + the index calls
+  under the index lock; batches of one ``BlockStored`` of 64 blocks with their token ids, as replicas publish
   them) and through ``BlockIndex.add`` alone (64 hashes per call). Goal: >= 1M/s.
 - **index memory per entry**: tracemalloc's traced bytes for the 1M-entry index above / entries.
 - **proxy added latency**: ``python -m replica`` and ``python -m router`` as child processes (one
@@ -67,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -81,11 +82,10 @@ from kvroute_tools.cluster import wait_serving  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
 from kvroute.heartbeat import Heartbeat  # noqa: E402
-from kvroute.redis_layout import RedisLayout  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
-from router.consumer import EventConsumer  # noqa: E402
+from router.consumer_feed import IndexFeed  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
@@ -186,11 +186,11 @@ def bench_ingest(rng: random.Random, total_blocks: int = 1_000_000, per_event: i
         batches.append((f"r{k % NUM_REPLICAS:02d}", hashes,
                         encode_batch([BlockStored(hashes, None, tokens, B)], time.time())))
     registry = ReplicaRegistry(BlockHasher().identity, "redis")
-    consumer = EventConsumer("redis://127.0.0.1:1/0", RedisLayout(), BlockIndex(), registry)  # never started
+    feed = IndexFeed(BlockIndex(), registry, threading.Lock())
     t0 = time.thread_time()
-    for seq, (rid, _, data) in enumerate(batches, 1):
-        consumer._apply(rid, seq, data)
-    apply_rate = consumer.blocks_applied / (time.thread_time() - t0)
+    for k, (rid, _, data) in enumerate(batches):  # each replica's entries in seq order
+        feed.entry(rid, 1, k // NUM_REPLICAS + 1, data, history=False)
+    apply_rate = feed.blocks_applied / (time.thread_time() - t0)
     index = BlockIndex()
     t0 = time.thread_time()
     for rid, hashes, _ in batches:

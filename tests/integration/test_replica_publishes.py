@@ -10,7 +10,7 @@ from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
 from kvroute.heartbeat import Heartbeat
 from kvroute.redis_layout import RedisLayout
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import decode_snapshot
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
@@ -86,11 +86,11 @@ def test_request_snapshot_writes_the_cached_set(cluster):
         raw = r.get(key)
         if raw is None:
             return None
-        snap = events_pb2.CacheSnapshot.FromString(raw)
+        snap = decode_snapshot(raw)
         return snap if snap.seq >= seq else None
 
     snap = wait_for(snapshot_at_seq)
-    cached = {h for m in snap.media for h in m.block_hashes}
+    cached = {h for hashes in snap.media.values() for h in hashes}
     want = {to_event_int(d) for d in BlockHasher(block_size=BLOCK).hash_blocks(PROMPT)}
     assert want <= cached
     assert replica.server.publisher.batches_dropped == 0

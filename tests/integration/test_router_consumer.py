@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from kvroute.cache_state import ReplicaCacheState
 from kvroute.engine_info import EngineInfo
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
+from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import decode_snapshot
 from kvroute_tools.redis_server import RedisServer
 from replica.publisher import RedisEventPublisher
 from router.consumer import EventConsumer
@@ -134,7 +134,7 @@ def entries_of(r: redis.Redis, layout: RedisLayout, replica_id: str) -> list[tup
 def snapshot_seq(r: redis.Redis, layout: RedisLayout, replica_id: str) -> int:
     data = r.get(layout.snapshot_key(replica_id))
     assert data is not None, "no snapshot in Redis"
-    return events_pb2.CacheSnapshot.FromString(data).seq
+    return decode_snapshot(data).seq
 
 
 @pytest.fixture

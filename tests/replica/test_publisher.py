@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 import redis
 
-from kvroute.cache_state import BatchResult, ReplicaCacheState
 from kvroute.engine_info import EngineInfo
 from kvroute.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvroute.heartbeat import FIELDS, EngineLoad, Heartbeat
+from kvroute.ordering import BatchResult, ReplicaCacheState
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import CacheSnapshot, decode_snapshot
 from kvroute_tools.redis_server import RedisServer
 from replica.publisher import RedisEventPublisher
 from tests.support import wait_for
@@ -48,10 +48,10 @@ def read_entries(
     return out
 
 
-def load_snapshot(r: redis.Redis, layout: RedisLayout, replica_id: str = REPLICA) -> events_pb2.CacheSnapshot:
+def load_snapshot(r: redis.Redis, layout: RedisLayout, replica_id: str = REPLICA) -> CacheSnapshot:
     data = r.get(layout.snapshot_key(replica_id))
     assert data is not None, "no snapshot in Redis"
-    return events_pb2.CacheSnapshot.FromString(data)
+    return decode_snapshot(data)
 
 
 def replay(r: redis.Redis, layout: RedisLayout, *, from_snapshot: bool) -> ReplicaCacheState:
@@ -170,7 +170,7 @@ def test_snapshot_request_on_the_channel_gets_a_snapshot_at_the_last_seq(server,
         idle_hook_until(lambda: pub.snapshots_written == 2, "the requested snapshot")
         snap = load_snapshot(r, layout)
         assert (snap.replica_id, snap.epoch, snap.seq) == (REPLICA, pub.epoch, 4)
-        assert multiset({m.medium: m.block_hashes for m in snap.media}) == cache.truth.as_multiset()
+        assert multiset(snap.media) == cache.truth.as_multiset()
 
         pub.on_step(cache.step(), LOAD, cache.snapshot)
         pub.request_snapshot()  # the RequestSnapshot rpc's path
