@@ -157,7 +157,7 @@ class RedisEventPublisher(EventPublisher):
             RuntimeError: started twice (make a new publisher, with a new epoch, instead).
         """
         if self._thread is not None:
-            raise RuntimeError("KVEventPublisher.start: already started")
+            raise RuntimeError("RedisEventPublisher.start: already started")
         self._enqueue_batch([AllBlocksCleared(medium=None)])
         self._thread = threading.Thread(target=self._run, name=f"kv-publisher-{self.replica_id}", daemon=True)
         self._thread.start()
