@@ -31,7 +31,6 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -190,20 +189,6 @@ class RedisEventPublisher(EventPublisher):
         self._snapshot_wanted.set()
 
     # -- the engine thread ----------------------------------------------------------------------
-    def on_engine_step(self, engine: Any) -> None:
-        """``AsyncLLMEngine`` step hook: take the step's events and load from an ``LLMEngine``."""
-        try:
-            kv = engine.kv
-            load = EngineLoad(
-                free_blocks=kv.num_free_blocks, running=engine.num_running, waiting=engine.num_waiting,
-                usage=engine.usage, queued_prefill_tokens=engine.scheduler.queued_prefill_tokens,
-            )
-            events = engine.take_kv_events()
-        except Exception:  # noqa: BLE001 - never raise into the engine
-            log.exception("kv publisher: reading the engine failed")
-            return
-        self.on_step(events, load, kv.cached_event_hashes)
-
     def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
         """Queue one engine step's events (if any) and, when one is wanted, a snapshot.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 
 import redis
 
@@ -20,7 +21,7 @@ from kvroute.heartbeat import FIELDS, EngineLoad, Heartbeat
 from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
-from replica.publisher import RedisEventPublisher
+from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
 from tests import support
 from tests.support import read_entries, read_snapshot, replay, wait_for
 
@@ -168,6 +169,38 @@ def test_on_step_never_raises_into_the_engine(server, layout):
         pub.on_engine_step(object())  # not an engine at all
     finally:
         pub.close()
+
+
+class StubEngine:
+    """What the step hook reads of an ``LLMEngine``: the KV manager, the queue lengths, the events."""
+
+    def __init__(self, events: list):
+        self.events = events
+        self.kv = SimpleNamespace(num_free_blocks=40, cached_event_hashes=dict)
+        self.num_running, self.num_waiting, self.usage = 2, 1, 0.375
+        self.scheduler = SimpleNamespace(queued_prefill_tokens=96)
+
+    def take_kv_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
+def test_the_step_hook_takes_the_engine_events_and_load_even_when_nothing_is_published():
+    seen = []
+
+    class Recording(NullEventPublisher):
+        def on_step(self, events, load, snapshot_fn):
+            seen.append((list(events), load))
+
+    engine = StubEngine([BlockStored((1,), None, (), 16)])
+    Recording().on_engine_step(engine)
+    assert seen == [([BlockStored((1,), None, (), 16)], LOAD)] and engine.events == []
+    engine.events = [BlockStored((2,), None, (), 16)]
+    null = NullEventPublisher()
+    null.start()
+    null.on_engine_step(engine)  # emptied and dropped: the engine's list never grows
+    assert engine.events == [] and null.stats() == PublisherStats()
+    null.close()
 
 
 def test_buffer_overflow_drops_batches_and_the_snapshot_covers_the_gap(layout):
