@@ -5,12 +5,13 @@ is the Redis side (one thread of blocking redis-py calls, so request handling on
 loop never waits on Redis); what it reads goes to :class:`router.consumer_feed.IndexFeed`, which
 runs each replica's kvroute.ordering rules and writes the index under ``index_lock``.
 
-    Redis                                 consumer thread (here)        IndexFeed (no I/O)          shared
-    ─────                                 ──────────────────────        ──────────────────          ──────
-    kvroute:{ns}:events[:k] ──XREAD BLOCK──▶ entries ─────────────────▶ ordering: apply / hold ──▶ BlockIndex
-    kvroute:{ns}:snapshot:{id} ──GET/GETRANGE▶ bootstrap, gaps_due ───▶ covers / resync
-    kvroute:{ns}:replica:{id} ──SCAN+HGETALL▶ Heartbeat.from_redis ─┬─▶ new epoch, stall ───────▶ ReplicaRegistry
-    snapshot-requests ◀──PUBLISH {id}─────── request_due ◀──────────┘
+    Redis kvroute:{ns}:...       consumer thread (here)              IndexFeed (no I/O)
+    ─────                        ──────────────────────              ──────────────────
+    events[:k]     ──XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
+    snapshot:{id}  ──GET─────────▶ bootstrap, gaps_due ─────────────▶ bootstrap / resync     (index_lock)
+                   ──GETRANGE────▶ snapshot_position (its head) ────▶ covers, stall check
+    replica:{id}   ──SCAN+HGETALL▶ Heartbeat.from_redis ──▶ ReplicaRegistry ──▶ heartbeat (epoch, stall)
+    snapshot-requests ◀──PUBLISH {id}── when request_due
 
 Per replica (kvroute.ordering): a larger epoch drops the replica's entries; an older epoch or a seq
 already applied is ignored; the next seq is applied; a later one is held until the hole fills (a
