@@ -3,9 +3,9 @@
 with what it reads from Redis and applies its decisions to the index; :class:`ReplicaCacheState`
 (tests, the simulator) drives the same class and applies them to a multiset. One rule set.
 
-    stream entry (epoch, seq, batch) ──offer / lost───────────────▶ ┌───────────────┐ ──▶ Decision: new epoch?,
-    heartbeat (epoch, last_seq)      ──start_epoch / check_stall──▶ │ ReplicaStream │     batches to apply
-    snapshot at (epoch, seq)         ──covers / load_snapshot─────▶ └───────────────┘ ──▶ held batches after it
+    stream entry (epoch, seq, batch) ──offer / lost─────────────▶ ┌───────────────┐ ──▶ Decision: new epoch?,
+    heartbeat (epoch, last_seq)      ──start_epoch / check_stall▶ │ ReplicaStream │     batches to apply
+    snapshot at (epoch, seq)         ──covers / load_snapshot───▶ └───────────────┘ ──▶ held batches after it
 
 The rules, for one replica (its position: every batch up to ``seq`` of ``epoch`` is applied):
 - An entry of an older epoch, or at or below ``seq`` of this epoch (a duplicate, a publisher
