@@ -34,7 +34,7 @@ from kvroute.v1 import events_pb2
 from router.index import BlockIndex
 from router.registry import ReplicaInfo, ReplicaRegistry
 
-log = logging.getLogger("router.consumer")
+log = logging.getLogger("router.consumer")  # one logger for the consumer, whichever half logs
 
 SNAPSHOT_POLL_S = 0.05  # how often an open gap re-reads the snapshot key
 REQUEST_EVERY_S = 1.0  # how often an open gap re-publishes its snapshot request
