@@ -14,8 +14,8 @@ in one table with a verdict per goal.
   faster than a memo's dict walk finds it). Goal: p50 <= 0.5 ms, p99 <= 2 ms, with sha256_cbor
   (the default); xxhash_cbor is printed for reference.
 - **event ingest**, in block hashes per second on one core: through the consumer's apply path
-  (``EventConsumer._apply``: protobuf decode of a ``KVEventBatch`` + the index calls under the
-  index lock; batches of one ``BlockStored`` of 64 blocks with their token ids, as replicas publish
+  (``IndexFeed.entry``: the ordering rules, protobuf decode of a ``KVEventBatch`` + the index calls
+  under the index lock; batches of one ``BlockStored`` of 64 blocks with their token ids, as replicas publish
   them) and through ``BlockIndex.add`` alone (64 hashes per call). Goal: >= 1M/s.
 - **index memory per entry**: tracemalloc's traced bytes for the 1M-entry index above / entries.
 - **proxy added latency**: ``python -m replica`` and ``python -m router`` as child processes (one
@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -63,12 +64,12 @@ from bench._common import busy_cores, print_table  # noqa: E402
 from bench._passthrough import BARE_VARIANTS, passthrough  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
-from kvroute.redis_layout import RedisLayout  # noqa: E402
+from kvroute.heartbeat import Heartbeat  # noqa: E402
 from kvroute.v1 import generation_pb2 as gen_pb  # noqa: E402
 from kvroute.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute_tools.supervise import wait_serving  # noqa: E402
-from router.consumer import EventConsumer  # noqa: E402
+from router.consumer_feed import IndexFeed  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
@@ -93,14 +94,14 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def heartbeat(rid: str, i: int, hasher: BlockHasher) -> dict[str, str]:
+def heartbeat(rid: str, i: int, hasher: BlockHasher) -> Heartbeat:
     algorithm, digest, block_size = hasher.identity
-    return {
+    return Heartbeat.from_redis({
         "replica_id": rid, "address": f"10.0.{i // 250}.{i % 250}:50051", "epoch": "1", "last_seq": "0",
         "model": "m", "block_size": str(block_size), "hash_algorithm": algorithm, "hash_seed_digest": digest,
         "num_blocks": "100000", "free_blocks": "50000", "running": str(i % 7), "waiting": "0",
         "usage": "0.5", "queued_prefill_tokens": str(100 * (i % 5)), "ts": "0",
-    }
+    })
 
 
 def build_index(hasher: BlockHasher, rng: random.Random, docs_hashes: list[list[int]]) -> tuple[BlockIndex, int]:
@@ -168,11 +169,11 @@ def bench_ingest(rng: random.Random, total_blocks: int = 1_000_000, per_event: i
         batches.append((f"r{k % NUM_REPLICAS:02d}", hashes,
                         encode_batch([BlockStored(hashes, None, tokens, B)], time.time())))
     registry = ReplicaRegistry(BlockHasher().identity, "redis")
-    consumer = EventConsumer("redis://127.0.0.1:1/0", RedisLayout(), BlockIndex(), registry)  # never started
+    feed = IndexFeed(BlockIndex(), registry, threading.Lock())
     t0 = time.thread_time()
-    for seq, (rid, _, data) in enumerate(batches, 1):
-        consumer._apply(rid, seq, data)
-    apply_rate = consumer.blocks_applied / (time.thread_time() - t0)
+    for k, (rid, _, data) in enumerate(batches):  # each replica's entries in seq order
+        feed.entry(rid, 1, k // NUM_REPLICAS + 1, data, history=False)
+    apply_rate = feed.blocks_applied / (time.thread_time() - t0)
     index = BlockIndex()
     t0 = time.thread_time()
     for rid, hashes, _ in batches:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf.message import Message
 
 from kvroute.hashing import ExtraKeys
 from kvroute.v1 import events_pb2
+
+M = TypeVar("M", bound=Message)
 
 GPU = "GPU"
 CPU = "CPU"
@@ -142,9 +147,17 @@ def decode_batch(data: bytes) -> tuple[float, list[KVCacheEvent]]:
     Raises:
         EventDecodeError: the bytes are not a valid KVEventBatch.
     """
-    batch = events_pb2.KVEventBatch()
-    try:
-        batch.ParseFromString(data)
-    except Exception as e:  # protobuf raises its own DecodeError
-        raise EventDecodeError(f"KVEventBatch: {e}") from e
+    batch = parse_message(events_pb2.KVEventBatch, data)
     return batch.ts, [event_from_pb(m) for m in batch.events]
+
+
+def parse_message(message_type: type[M], data: bytes) -> M:
+    """A ``message_type`` (a generated protobuf class) parsed from ``data``.
+
+    Raises:
+        EventDecodeError: the bytes are not a valid ``message_type`` (the message names it).
+    """
+    try:
+        return message_type.FromString(data)
+    except Exception as e:  # protobuf raises its own DecodeError
+        raise EventDecodeError(f"{message_type.DESCRIPTOR.name}: {e}") from e

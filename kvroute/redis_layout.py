@@ -2,7 +2,8 @@
 
     kvroute:{ns}:events[:{shard}]     stream, one entry per engine step:
                                       {replica_id, epoch, seq, batch = KVEventBatch bytes}
-    kvroute:{ns}:replica:{replica_id} hash with TTL ~3 heartbeats: identity + load (HEARTBEAT_FIELDS)
+    kvroute:{ns}:replica:{replica_id} hash with TTL ~3 heartbeats: identity + load
+                                      (its fields: kvroute.heartbeat.Heartbeat, FIELDS)
     kvroute:{ns}:snapshot:{replica_id} CacheSnapshot bytes (the cached set per medium at a seq)
     kvroute:{ns}:snapshot-requests    pub/sub channel: a replica_id asks that replica for a snapshot
     kvroute:{ns}:router-load:{router} hash with TTL: that router's in-flight load per replica
@@ -20,25 +21,6 @@ F_REPLICA_ID = b"replica_id"
 F_EPOCH = b"epoch"
 F_SEQ = b"seq"
 F_BATCH = b"batch"
-
-# Fields of a heartbeat hash (all strings in Redis).
-HEARTBEAT_FIELDS = (
-    "replica_id",
-    "address",
-    "epoch",
-    "last_seq",
-    "model",
-    "block_size",
-    "hash_algorithm",
-    "hash_seed_digest",
-    "num_blocks",
-    "free_blocks",
-    "running",
-    "waiting",
-    "usage",
-    "queued_prefill_tokens",
-    "ts",
-)
 
 
 @dataclass(frozen=True)

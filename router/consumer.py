@@ -1,29 +1,26 @@
 """EventConsumer: keeps the router's BlockIndex and ReplicaRegistry in step with Redis (DESIGN.md §4, §5).
 
-The router's only reader of the replicas' KV event streams, heartbeats and snapshots. It runs on its
-own thread (blocking redis-py calls), so request handling on the gRPC asyncio loop never waits on
-Redis; the two share the index under ``index_lock``.
+The router's only reader of the replicas' KV event streams, heartbeats and snapshots: this module
+is the Redis side (one thread of blocking redis-py calls, so request handling on the gRPC asyncio
+loop never waits on Redis); what it reads goes to :class:`router.consumer_feed.IndexFeed`, which
+runs each replica's kvroute.ordering rules and writes the index under ``index_lock``.
 
-    Redis                                 consumer thread                         shared with the loop
-    ─────                                 ───────────────                         ────────────────────
-    kvroute:{ns}:events[:k] ──XREAD BLOCK──▶ per replica: epoch / seq / pending ──▶ BlockIndex (index_lock)
-    kvroute:{ns}:snapshot:{id} ──GET────────▶ (bootstrap, gap resync)
-    kvroute:{ns}:replica:{id} ──SCAN+HGETALL▶ heartbeats (every heartbeat_poll_interval) ──▶ ReplicaRegistry
-    snapshot-requests ◀──PUBLISH {id}─────── a gap the current snapshot does not cover
+    Redis kvroute:{ns}:...       consumer thread (here)              IndexFeed (no I/O)
+    ─────                        ──────────────────────              ──────────────────
+    events[:k]     ──XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
+    snapshot:{id}  ──GET─────────▶ bootstrap, gaps_due ─────────────▶ bootstrap / resync     (index_lock)
+                   ──GETRANGE────▶ snapshot_position (its head) ────▶ covers, stall check
+    replica:{id}   ──SCAN+HGETALL▶ Heartbeat.from_redis ──▶ ReplicaRegistry ──▶ heartbeat (epoch, stall)
+    snapshot-requests ◀──PUBLISH {id}── when request_due
 
-Per replica, each stream entry ``(epoch, seq, batch)`` is handled by kvroute.cache_state's rules:
-- a larger epoch drops the replica's entries (the epoch's seq 1 is ``AllBlocksCleared``); an older
-  epoch, or a seq already applied (a duplicate, a publisher retry), is ignored;
-- the next seq is applied (BlockStored -> ``index.add``, BlockRemoved -> ``index.remove``,
-  AllBlocksCleared -> ``index.clear_replica``, each with the event's whole hash list);
-- a later seq is held in a pending buffer. If the missing entries arrive (a reorder), they fill the
-  hole and nothing else happens. If the hole is still there at the end of the read that found it,
-  it is a **gap**: the replica's snapshot is loaded if it is valid at or after the hole (then only
-  pending entries after its seq are applied); otherwise the consumer publishes a snapshot request
-  and checks again every 50 ms, still buffering. A replica known to be past what was applied (its
-  heartbeat's ``last_seq``, or the seq in its snapshot's header: batches the publisher dropped
-  leave no entry but a snapshot after them) with no progress for a whole poll while the streams
-  are read to their end is a gap too (entries lost at the tail).
+Per replica (kvroute.ordering): a larger epoch drops the replica's entries; an older epoch or a seq
+already applied is ignored; the next seq is applied; a later one is held until the hole fills (a
+reorder). A hole still open when the read that found it ends is a **gap**: the replica's snapshot
+is loaded once it is valid at or after the hole (then only held entries after its seq apply);
+until then a snapshot request is published every second and the snapshot's head (its first 128
+bytes: kvroute.snapshot.snapshot_position) is read every 50 ms. A replica known to be past what was
+applied (its heartbeat's ``last_seq``, or its snapshot's seq) with no progress for a whole poll
+while the streams are read to their end is a gap too (entries lost at the tail).
 
 Bootstrap (start, and after every reconnect): poll heartbeats, load each routable replica's snapshot
 (when it is newer than what is known), then read every stream from the start of what is retained,
@@ -49,64 +46,19 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvroute.events import GPU, MEDIA
+from kvroute.events import EventDecodeError
+from kvroute.heartbeat import Heartbeat
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
+from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed
 from router.index import BlockIndex
-from router.registry import ReplicaRegistry
+from router.registry import ReplicaInfo, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
 _XREAD_COUNT = 1000  # entries per stream per XREAD: bounds one read's latency while catching up
-_MAX_PENDING = 10000  # out-of-order entries held per replica while a gap is open
-_SNAPSHOT_POLL_S = 0.05  # how often an open gap re-reads the snapshot key
-_REQUEST_EVERY_S = 1.0  # how often an open gap re-publishes its snapshot request
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
-_SNAPSHOT_HEAD_BYTES = 128  # enough for CacheSnapshot's replica_id, epoch and seq (fields 1-3)
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]  # IndexError when truncated
-        value |= (b & 0x7F) << shift
-        i += 1
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
-def _snapshot_position(head: bytes | None) -> tuple[int, int] | None:
-    """(epoch, seq) from the first bytes of a serialized CacheSnapshot, or None when they are not
-    in ``head``. Reading 128 bytes per poll instead of the whole snapshot (megabytes) is what lets
-    every heartbeat poll check it."""
-    if not head:
-        return None
-    epoch = seq = None
-    i = 0
-    try:
-        while i < len(head) and (epoch is None or seq is None):
-            key, i = _varint(head, i)
-            field, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                value, i = _varint(head, i)
-                if field == 2:
-                    epoch = value
-                elif field == 3:
-                    seq = value
-            elif wire_type == 2:
-                length, i = _varint(head, i)
-                i += length
-            elif wire_type == 1:
-                i += 8
-            elif wire_type == 5:
-                i += 4
-            else:
-                return None
-    except IndexError:
-        pass
-    return (epoch, seq) if epoch is not None and seq is not None else None
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -114,50 +66,18 @@ def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-class _ReplicaStream:
-    """Where one replica's stream has been applied up to, and what is held while a gap is open.
-
-    Invariant: the index holds the replica's cached set as of ``seq`` of ``epoch``; ``pending``
-    holds entries after ``seq + 1`` of the same epoch; ``in_gap`` iff pending is not empty or
-    ``seq < floor`` (entries up to ``floor`` are known to be lost: only a snapshot at or after it
-    resyncs).
-    """
-
-    __slots__ = ("epoch", "seq", "pending", "floor", "in_gap", "counted", "next_check", "last_request",
-                 "stall_seq")
-
-    def __init__(self, epoch: int):
-        self.reset(epoch)
-
-    def reset(self, epoch: int) -> None:
-        """Start over at the beginning of ``epoch``."""
-        self.epoch = epoch
-        self.seq = 0
-        self.pending: dict[int, bytes] = {}
-        self.floor = 0
-        self.in_gap = False
-        self.counted = False  # this gap is already in the ``gaps`` stat
-        self.next_check = 0.0
-        self.last_request = -_REQUEST_EVERY_S
-        self.stall_seq: int | None = None  # seq seen behind the heartbeat's last_seq at the last poll
-
-    def open_gap(self) -> None:
-        if not self.in_gap:
-            self.in_gap, self.counted, self.next_check = True, False, 0.0
-
-    def settle(self) -> None:
-        """Close the gap if nothing is missing any more."""
-        if self.in_gap and not self.pending and self.seq >= self.floor:
-            self.in_gap = False
+def _from_feed(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.feed, name), doc=doc)
 
 
 class EventConsumer:
     """Follows the KV event streams, heartbeats and snapshots of one namespace into ``index`` and
     ``registry`` on a background thread.
 
-    Owns the per-replica stream positions (``_ReplicaStream``) and the Redis connection. Every
-    BlockIndex call it makes is under ``index_lock``; other threads that use the index (lookups,
-    speculative entries) take the same lock.
+    Owns the Redis connection, the stream read positions and the bootstrap; ``feed``
+    (:class:`router.consumer_feed.IndexFeed`) owns the per-replica ordering state and every
+    BlockIndex write, under ``index_lock``; other threads that use the index (lookups, speculative
+    entries) take the same lock.
 
     Args:
         redis_url: the cluster's Redis (``redis://host:port/db``).
@@ -169,12 +89,23 @@ class EventConsumer:
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
 
-    Stats (read from any thread): ``events_applied``, ``blocks_applied`` (hashes in applied
-    events), ``batches_applied``, ``stale_batches`` (duplicates, old epochs), ``gaps``, ``resyncs``
-    (snapshot loads after a gap), ``snapshot_requests``, ``epoch_changes``, ``bad_entries``,
-    ``stream_lag_seconds`` (wall clock minus the batch ts, at the last applied batch),
-    ``reconnects``, ``connected``; ``entries()`` for the index size per replica.
+    Raises:
+        ValueError: a non-positive ``heartbeat_poll_interval`` or ``block_ms``.
+
+    Stats (read from any thread): the counters below, ``reconnects``, ``connected``; ``entries()``
+    for the index size per replica; ``stats()`` for all of them as one dict.
     """
+
+    events_applied = _from_feed("events_applied", "KV events applied to the index.")
+    blocks_applied = _from_feed("blocks_applied", "Hashes in applied events.")
+    batches_applied = _from_feed("batches_applied", "Stream entries applied.")
+    stale_batches = _from_feed("stale_batches", "Entries ignored: duplicates, old epochs.")
+    gaps = _from_feed("gaps", "Seq gaps found (each counted once).")
+    resyncs = _from_feed("resyncs", "Snapshot loads that closed a gap.")
+    snapshot_requests = _from_feed("snapshot_requests", "Snapshot requests published.")
+    epoch_changes = _from_feed("epoch_changes", "Replica restarts seen (new epochs).")
+    bad_entries = _from_feed("bad_entries", "Entries with missing fields or an undecodable batch.")
+    stream_lag_seconds = _from_feed("stream_lag_seconds", "Wall clock minus the batch ts at the last applied batch.")
 
     def __init__(
         self,
@@ -198,10 +129,10 @@ class EventConsumer:
         self.block_ms = int(block_ms)
         self.expiry_grace = expiry_grace
         self.index_lock = index_lock if index_lock is not None else threading.Lock()
+        self.feed = IndexFeed(index, registry, self.index_lock)
 
         # Consumer-thread state.
         self._client: redis.Redis | None = None
-        self._streams: dict[str, _ReplicaStream] = {}
         self._stream_ids: dict[str, bytes] = {}
         self._backlog_until: dict[str, tuple[int, int]] = {}
         self._needs_bootstrap = True
@@ -209,7 +140,6 @@ class EventConsumer:
         self._grace_until = 0.0
         self._next_heartbeat_poll = 0.0
         self._caught_up = False
-        self._batch = events_pb2.KVEventBatch()
         self._logged_down = False
         # Shared.
         self._removed: deque[str] = deque()  # on_removed calls, from any thread, handled here
@@ -219,16 +149,6 @@ class EventConsumer:
         self._on_removed = self._removed.append
         registry.add_listener(self._on_removed)
 
-        self.events_applied = 0
-        self.blocks_applied = 0
-        self.batches_applied = 0
-        self.stale_batches = 0
-        self.gaps = 0
-        self.resyncs = 0
-        self.snapshot_requests = 0
-        self.epoch_changes = 0
-        self.bad_entries = 0
-        self.stream_lag_seconds = 0.0
         self.reconnects = 0
         self.connected = False
 
@@ -267,16 +187,7 @@ class EventConsumer:
     def stats(self) -> dict[str, Any]:
         """The counters above as one dict (metrics export)."""
         return {
-            "events_applied": self.events_applied,
-            "blocks_applied": self.blocks_applied,
-            "batches_applied": self.batches_applied,
-            "stale_batches": self.stale_batches,
-            "gaps": self.gaps,
-            "resyncs": self.resyncs,
-            "snapshot_requests": self.snapshot_requests,
-            "epoch_changes": self.epoch_changes,
-            "bad_entries": self.bad_entries,
-            "stream_lag_seconds": self.stream_lag_seconds,
+            **{name: getattr(self.feed, name) for name in IndexFeed.COUNTERS},
             "reconnects": self.reconnects,
             "connected": self.connected,
             "entries": self.entries(),
@@ -352,20 +263,8 @@ class EventConsumer:
             self._backlog_until[stream] = _parse_id(last[0][0]) if last else (0, 0)
         heartbeats = self._poll_heartbeats(bootstrap=True)
         for rid, info in heartbeats.items():
-            if not info.routable:
-                continue
-            st = self._streams.get(rid)
-            snap = self._get_snapshot(rid)
-            if snap is not None and snap.epoch >= info.epoch and (
-                st is None or (snap.epoch, snap.seq) > (st.epoch, st.seq)
-            ):
-                if st is None:
-                    st = self._streams[rid] = _ReplicaStream(snap.epoch)
-                self._load_snapshot(rid, st, snap)
-            elif st is None:
-                self._streams[rid] = _ReplicaStream(info.epoch)
-            elif info.epoch > st.epoch:
-                self._new_epoch(rid, st, info.epoch)
+            if info.routable:
+                self.feed.bootstrap(info, self._get_snapshot(rid))
         self._next_heartbeat_poll = time.monotonic() + self.heartbeat_poll_interval
         self._needs_bootstrap = False
         self._bootstrapped_once = True
@@ -380,8 +279,7 @@ class EventConsumer:
             self._poll_heartbeats(bootstrap=False)
             self._next_heartbeat_poll = now + self.heartbeat_poll_interval
         self._service_gaps()
-        waiting = any(st.in_gap for st in self._streams.values())
-        block = min(self.block_ms, int(_SNAPSHOT_POLL_S * 1000)) if waiting else self.block_ms
+        block = min(self.block_ms, int(SNAPSHOT_POLL_S * 1000)) if self.feed.any_gap else self.block_ms
         block = max(1, min(block, int((self._next_heartbeat_poll - time.monotonic()) * 1000) + 1))
         resp = client.xread(self._stream_ids, count=_XREAD_COUNT, block=block)
         caught_up = True
@@ -394,7 +292,7 @@ class EventConsumer:
                 caught_up = False
             backlog = self._backlog_until.get(name)
             for entry_id, fields in entries:
-                self._handle_entry(name, entry_id, fields, backlog)
+                self._handle_entry(entry_id, fields, backlog)
             self._stream_ids[name] = entries[-1][0]
         self._caught_up = caught_up
         if caught_up:
@@ -403,8 +301,20 @@ class EventConsumer:
                 self._ready.set()
         self._service_gaps()
 
+    def _handle_entry(self, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
+        try:
+            rid = fields[F_REPLICA_ID].decode()
+            epoch = int(fields[F_EPOCH])
+            seq = int(fields[F_SEQ])
+            data = fields[F_BATCH]
+        except (KeyError, ValueError, UnicodeDecodeError):
+            self.feed.bad_entries += 1
+            return
+        history = backlog is not None and _parse_id(entry_id) <= backlog
+        self.feed.entry(rid, epoch, seq, data, history=history)
+
     # -- heartbeats ------------------------------------------------------------------------------------
-    def _poll_heartbeats(self, *, bootstrap: bool) -> dict:
+    def _poll_heartbeats(self, *, bootstrap: bool) -> dict[str, ReplicaInfo]:
         """Feed every heartbeat to the registry; expire the missing; notice new epochs and stalls."""
         client = self._client
         assert client is not None
@@ -414,237 +324,69 @@ class EventConsumer:
         for key in keys:
             pipe.hgetall(key)
         for key in keys:
-            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, _SNAPSHOT_HEAD_BYTES - 1)
+            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, SNAPSHOT_HEAD_BYTES - 1)
         results = pipe.execute() if keys else []
         now = time.monotonic()
-        present = {}
+        present: dict[str, ReplicaInfo] = {}
         heads = {}
         for raw, head in zip(results[: len(keys)], results[len(keys):], strict=True):
             if not raw:
                 continue  # expired between SCAN and HGETALL
-            fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
             try:
-                info = self.registry.update_from_heartbeat(fields, now)
+                info = self.registry.update_from_heartbeat(Heartbeat.from_redis(raw), now)
             except ValueError as e:
                 log.warning("kv consumer: ignoring a heartbeat: %s", e)
                 continue
             present[info.replica_id] = info
-            heads[info.replica_id] = _snapshot_position(head)
+            heads[info.replica_id] = snapshot_position(head)
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
                     self.registry.expire(info.replica_id)  # on_removed drops its entries
-            for rid in list(self._streams):
+            for rid in self.feed.replicas():
                 if rid not in present:  # entries seen, heartbeat never (or no longer) seen
                     self._removed.append(rid)
         self._handle_removals()
+        followed = set(self.feed.replicas())
         for rid, info in present.items():
-            st = self._streams.get(rid)
             if not info.routable:
-                if st is not None:
-                    self._drop(rid)
-                continue
-            if bootstrap:
-                continue
-            if st is None:  # routable again, or idle since we started: the stall check resyncs it
-                st = self._streams[rid] = _ReplicaStream(info.epoch)
-            elif info.epoch > st.epoch:
-                self._new_epoch(rid, st, info.epoch)
-            self._check_stall(rid, st, info.epoch, info.last_seq, heads[rid])
+                if rid in followed:
+                    self.feed.drop(rid)
+            elif not bootstrap:
+                self.feed.heartbeat(info, heads[rid], caught_up=self._caught_up)
         return present
-
-    def _check_stall(self, rid: str, st: _ReplicaStream, epoch: int, last_seq: int,
-                     snapshot_at: tuple[int, int] | None) -> None:
-        """Open a gap if the replica is known to be past ``st.seq`` (its heartbeat's last written
-        seq, or its snapshot's seq: batches dropped by the publisher leave no entry but are covered
-        by the snapshot after them) and nothing arrived for a whole poll with the streams read to
-        their end."""
-        target = last_seq if epoch == st.epoch else 0
-        if snapshot_at is not None and snapshot_at[0] == st.epoch:
-            target = max(target, snapshot_at[1])
-        if target > st.seq and not st.in_gap and self._caught_up:
-            if st.stall_seq == st.seq:
-                log.info("kv consumer: %s: replica at seq %d, applied %d and stalled; resyncing",
-                         rid, target, st.seq)
-                st.floor = target
-                st.open_gap()
-            else:
-                st.stall_seq = st.seq
-        else:
-            st.stall_seq = None
 
     def _handle_removals(self) -> None:
         while self._removed:
-            self._drop(self._removed.popleft())
-
-    def _drop(self, rid: str) -> None:
-        self._streams.pop(rid, None)
-        with self.index_lock:
-            self.index.remove_replica(rid)
-
-    # -- entries ------------------------------------------------------------------------------------------
-    def _handle_entry(self, stream: str, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
-        try:
-            rid = fields[F_REPLICA_ID].decode()
-            epoch = int(fields[F_EPOCH])
-            seq = int(fields[F_SEQ])
-            data = fields[F_BATCH]
-        except (KeyError, ValueError, UnicodeDecodeError):
-            self.bad_entries += 1
-            return
-        st = self._streams.get(rid)
-        if st is None:
-            info = self.registry.get(rid)
-            if info is not None and not info.routable:
-                return
-            if info is None and backlog is not None and _parse_id(entry_id) <= backlog:
-                return  # history of a replica that was gone before this bootstrap
-            st = self._streams[rid] = _ReplicaStream(epoch)
-        if epoch < st.epoch or (epoch == st.epoch and seq <= st.seq):
-            # A duplicate or an old epoch; in the backlog, just what the snapshot already covers.
-            if backlog is None or _parse_id(entry_id) > backlog:
-                self.stale_batches += 1
-            return
-        if epoch > st.epoch:
-            self._new_epoch(rid, st, epoch)
-        if seq == st.seq + 1:
-            if self._apply(rid, seq, data):
-                st.seq = seq
-                if st.pending:
-                    self._drain(rid, st)
-                st.settle()
-            else:  # undecodable: treat as lost
-                st.floor = max(st.floor, seq)
-                st.open_gap()
-            return
-        if len(st.pending) >= _MAX_PENDING:
-            # Too far behind to buffer: give the entries up and wait for a snapshot at or after them.
-            st.pending.clear()
-            st.floor = max(st.floor, seq)
-        else:
-            st.pending[seq] = data
-        st.open_gap()
-
-    def _apply(self, rid: str, seq: int, data: bytes) -> bool:
-        """Apply one batch to the index; False when it cannot be decoded."""
-        batch = self._batch
-        try:
-            batch.ParseFromString(data)
-        except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
-            log.warning("kv consumer: %s seq %d: undecodable batch (%s)", rid, seq, e)
-            self.bad_entries += 1
-            return False
-        index = self.index
-        blocks = 0
-        # One index call per event with its whole hash list: the per-hash loop lives in the index.
-        # Measured on one core (batches of BlockRemoved(16) + BlockStored(16)): 3.1M block events/s
-        # here, 1.0M/s end to end from Redis, where redis-py's pure-Python reply parser (62k
-        # entries/s) is the ceiling; with 64 hashes per event, 2.3M/s end to end.
-        with self.index_lock:
-            for ev in batch.events:
-                which = ev.WhichOneof("event")
-                if which == "block_stored":
-                    s = ev.block_stored
-                    medium = s.medium or GPU
-                    if medium in MEDIA:
-                        hashes = s.block_hashes
-                        index.add(rid, hashes, medium)
-                        blocks += len(hashes)
-                elif which == "block_removed":
-                    r = ev.block_removed
-                    medium = r.medium or GPU
-                    if medium in MEDIA:
-                        hashes = r.block_hashes
-                        index.remove(rid, hashes, medium)
-                        blocks += len(hashes)
-                elif which == "all_blocks_cleared":
-                    medium = ev.all_blocks_cleared.medium or None
-                    if medium is None or medium in MEDIA:
-                        index.clear_replica(rid, medium)
-        self.events_applied += len(batch.events)
-        self.blocks_applied += blocks
-        self.batches_applied += 1
-        self.stream_lag_seconds = max(0.0, time.time() - batch.ts)
-        return True
-
-    def _drain(self, rid: str, st: _ReplicaStream) -> None:
-        """Apply pending entries that now follow ``st.seq``; forget the ones at or below it."""
-        pending = st.pending
-        for s in [s for s in pending if s <= st.seq]:
-            del pending[s]
-        while (data := pending.pop(st.seq + 1, None)) is not None:
-            if not self._apply(rid, st.seq + 1, data):
-                st.floor = max(st.floor, st.seq + 1)
-                return
-            st.seq += 1
-
-    def _new_epoch(self, rid: str, st: _ReplicaStream, epoch: int) -> None:
-        log.info("kv consumer: %s: new epoch %d (was %d); dropping its entries", rid, epoch, st.epoch)
-        with self.index_lock:
-            self.index.clear_replica(rid)
-        st.reset(epoch)
-        self.epoch_changes += 1
+            self.feed.drop(self._removed.popleft())
 
     # -- snapshots -----------------------------------------------------------------------------------------
-    def _get_snapshot(self, rid: str) -> events_pb2.CacheSnapshot | None:
+    def _get_snapshot(self, rid: str) -> CacheSnapshot | None:
         assert self._client is not None
         data = self._client.get(self.layout.snapshot_key(rid))
         if data is None:
             return None
         try:
-            return events_pb2.CacheSnapshot.FromString(data)
-        except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
+            return decode_snapshot(data)
+        except EventDecodeError as e:
             log.warning("kv consumer: %s: undecodable snapshot (%s)", rid, e)
             return None
 
-    def _load_snapshot(self, rid: str, st: _ReplicaStream, snap: events_pb2.CacheSnapshot) -> None:
-        media: dict[str, Any] = {}
-        for m in snap.media:
-            medium = m.medium or GPU
-            if medium in MEDIA:
-                media.setdefault(medium, []).extend(m.block_hashes)
-        with self.index_lock:
-            self.index.load(rid, media)
-        if snap.epoch != st.epoch:
-            st.reset(snap.epoch)
-        st.seq = snap.seq
-        if st.pending:
-            self._drain(rid, st)
-        st.settle()
-
     def _service_gaps(self) -> None:
-        """For each open gap: load the snapshot if it covers the hole, else ask for one."""
-        if self._client is None:
+        """For each open gap that is due: load the snapshot if it covers the hole, else ask for one."""
+        client = self._client
+        if client is None:
             return
         now = time.monotonic()
-        for rid, st in list(self._streams.items()):
-            if not st.in_gap or now < st.next_check:
-                continue
-            if not st.counted:
-                st.counted = True
-                self.gaps += 1
-            need = max(st.floor, min(st.pending) - 1 if st.pending else 0)
-
-            def covers(epoch: int, seq: int, st: _ReplicaStream = st, need: int = need) -> bool:
-                return epoch > st.epoch or (epoch == st.epoch and seq >= need and seq > st.seq)
-
-            # The header first: an old snapshot (megabytes) is not fetched every 50 ms.
-            head = _snapshot_position(
-                self._client.getrange(self.layout.snapshot_key(rid), 0, _SNAPSHOT_HEAD_BYTES - 1)
-            )
-            snap = self._get_snapshot(rid) if head is None or covers(*head) else None
-            if snap is not None and covers(snap.epoch, snap.seq):
-                log.info("kv consumer: %s: gap after seq %d; resynced from the snapshot at seq %d",
-                         rid, st.seq, snap.seq)
-                self._load_snapshot(rid, st, snap)
-                self.resyncs += 1
-                if not st.in_gap:
-                    continue
-            if now - st.last_request >= _REQUEST_EVERY_S:
-                self._client.publish(self.layout.snapshot_requests_channel(), rid)
-                st.last_request = now
-                self.snapshot_requests += 1
-            st.next_check = now + _SNAPSHOT_POLL_S
+        for rid in self.feed.gaps_due(now):
+            # The head first: an old snapshot (megabytes) is not fetched every 50 ms.
+            head = snapshot_position(client.getrange(self.layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1))
+            if head is None or self.feed.covers(rid, head):
+                snap = self._get_snapshot(rid)
+                if snap is not None:
+                    self.feed.resync(rid, snap)
+            if self.feed.request_due(rid, now):
+                client.publish(self.layout.snapshot_requests_channel(), rid)
 
 
 __all__ = ["EventConsumer"]

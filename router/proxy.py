@@ -26,19 +26,16 @@ replica aborts the request and frees its blocks. Statuses are decided in one pla
 Threads: everything here runs on the server's event loop; the index is shared with the consumer
 thread; ``Router`` takes its ``index_lock`` around lookups and speculative writes.
 
-Latency (bench/router.py; 2-core box, 64-token prompt, one replica). The router adds ~2.4-3.2 ms
-to the time to first token; a bare grpc.aio pass-through already adds 1.8-2.2 ms (the hop: thread
-wake-ups in grpc and the kernel, not Python work; the alternatives measured are in the bench's
-docstring). The rest is this file's path up to the upstream call, ~0.45 ms p50 measured in the
-running router (timestamps, 300 requests): trace context extract + inject 0.03, tokenize 0.02,
-decide 0.28 (hash 0.20, lookup 0.04, score 0.02), commit 0.01, call creation and generator plumbing
-~0.1. The hash was the numpy encoding of kvroute.hashing: 24 us in a hot loop, ~0.2 ms after an idle
-gap between requests (cold caches); prompts under 16 blocks are now hashed block by block with cbor2
-(~9 / 31 us for 4 blocks, ``BlockHasher.short_prompt_blocks``).
-Metrics and spans run after the call (``_record``, ~40 us): with metrics off the TTFT is the same.
-Tried and not kept, no difference beyond the noise (+-0.3 ms): uvloop, the channel options
-``grpc.optimization_target=latency`` / ``grpc.http2.bdp_probe=0``, forwarding response bytes
-without (de)serialization, and a flatter generator chain (no ``aclosing`` / ``error_boundary``).
+Latency. What the router adds to the time to first token is mostly the hop itself (a bare
+grpc.aio pass-through costs most of it: thread wake-ups in grpc and the kernel, not Python work),
+plus this file's path up to the upstream call: trace context extract + inject, tokenize, decide
+(hash: kvroute.hashing's fastest implementation on this install; lookup; score), commit, call
+creation. bench/router.py measures the router against the replica direct and against bare
+pass-throughs side by side; the numbers live in its output and the README. Metrics and spans are
+recorded after the call (``_record``), off the response path. Tried and not kept, no difference
+beyond the noise: uvloop, the channel options ``grpc.optimization_target=latency`` /
+``grpc.http2.bdp_probe=0``, forwarding response bytes without (de)serialization, and a flatter
+generator chain (no ``aclosing`` / ``error_boundary``).
 """
 
 from __future__ import annotations

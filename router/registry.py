@@ -1,9 +1,9 @@
 """The router's view of its replicas: identity, load and routability (DESIGN.md §2, §5). No I/O.
 
-    consumer ── update_from_heartbeat(fields, now) / expire(replica_id) ──▶ ┌──────────────────────────┐
-    discovery ── set_discovered({"host:port", ...}) ─────────────────────▶ │ replica_id -> ReplicaInfo │
-    core      ◀── routable() / get() / all() ───────────────────────────── └──────────────────────────┘
-                                          on_removed(replica_id) ──▶ consumer (drops index entries)
+    consumer ── update_from_heartbeat(Heartbeat, now) / expire(id) ──▶ ┌──────────────────────────┐
+    discovery ── set_discovered({"host:port", ...}) ────────────────▶ │ replica_id -> ReplicaInfo │
+    core      ◀── routable() / get() / all() ──────────────────────── └──────────────────────────┘
+                                     on_removed(replica_id) ──▶ consumer (drops index entries)
 
 Contract:
 - A replica is **routable** iff it is discovered, heartbeating (its heartbeat key has not
@@ -26,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from kvroute.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ DISCOVERY_MODES = ("static", "redis", "kubernetes")
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """One replica as of its last heartbeat (``heartbeat_at``: the router's monotonic seconds)."""
+    """One replica as of its last :class:`kvroute.heartbeat.Heartbeat` (its fields, the load flattened)
+    and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds."""
 
     replica_id: str
     address: str = ""
@@ -57,10 +60,6 @@ class ReplicaInfo:
     routable: bool = False
     reason: str = ""  # why it is not routable ("" when it is)
     hash_compatible: bool = False
-
-
-_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "free_blocks", "running", "waiting",
-               "queued_prefill_tokens")
 
 
 class ReplicaRegistry:
@@ -112,38 +111,29 @@ class ReplicaRegistry:
                     log.exception("registry: on_removed listener failed for %s", replica_id)
 
     # -- updates ------------------------------------------------------------------------------------
-    def update_from_heartbeat(self, fields: Mapping[str, str], now: float) -> ReplicaInfo:
-        """Record one heartbeat (the hash of ``kvroute.redis_layout.HEARTBEAT_FIELDS``, as strings).
+    def update_from_heartbeat(self, heartbeat: Heartbeat, now: float) -> ReplicaInfo:
+        """Record one heartbeat (as :meth:`kvroute.heartbeat.Heartbeat.from_redis` read it); ``now``
+        in the router's monotonic seconds. A heartbeat with fields that did not parse
+        (``heartbeat.invalid``) is recorded but not routable ("bad heartbeat fields: ...").
 
         Raises:
             ValueError: the heartbeat has no ``replica_id``.
         """
-        replica_id = fields.get("replica_id", "")
+        replica_id = heartbeat.replica_id
         if not replica_id:
             raise ValueError("heartbeat: missing replica_id")
-        values: dict[str, object] = {}
-        bad: list[str] = []
-        for name in _INT_FIELDS:
-            try:
-                values[name] = int(fields.get(name, "0") or 0)
-            except ValueError:
-                bad.append(f"{name}={fields.get(name)!r}")
-        try:
-            values["usage"] = float(fields.get("usage", "0") or 0)
-        except ValueError:
-            bad.append(f"usage={fields.get('usage')!r}")
+        load = heartbeat.load
         info = ReplicaInfo(
-            replica_id=replica_id,
-            address=fields.get("address", ""),
-            model=fields.get("model", ""),
-            hash_algorithm=fields.get("hash_algorithm", ""),
-            hash_seed_digest=fields.get("hash_seed_digest", ""),
+            replica_id=replica_id, address=heartbeat.address, epoch=heartbeat.epoch, last_seq=heartbeat.last_seq,
+            model=heartbeat.model, hash_algorithm=heartbeat.hash_algorithm,
+            hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
+            num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
+            waiting=load.waiting, usage=load.usage, queued_prefill_tokens=load.queued_prefill_tokens,
             heartbeat_at=now,
-            **values,  # type: ignore[arg-type]
         )
         with self._lock:
             old = self._replicas.get(replica_id)
-            incompatible = self._incompatibility(info, bad)
+            incompatible = self._incompatibility(info, heartbeat.invalid)
             if incompatible:
                 self._incompatible[replica_id] = incompatible
             else:
@@ -200,7 +190,7 @@ class ReplicaRegistry:
             reason="; ".join(reasons),
         )
 
-    def _incompatibility(self, info: ReplicaInfo, bad_fields: list[str]) -> str:
+    def _incompatibility(self, info: ReplicaInfo, bad_fields: tuple[str, ...]) -> str:
         """Why ``info``'s heartbeat cannot be routed to by this router ("" when it can)."""
         reasons = []
         if bad_fields:

@@ -17,7 +17,7 @@ Guarantees:
   assigned) is exact; it is written in the same transaction as the batches before it, so a reader
   that sees a gap finds a snapshot that covers it.
 - After an ambiguous write failure (the connection drops during EXEC) the batches are written
-  again: readers ignore entries at or below the seq they have (kvroute.cache_state does).
+  again: readers ignore entries at or below the seq they have (kvroute.ordering).
 - Nothing here raises into the engine; Redis being slow or down only costs dropped batches.
 """
 
@@ -30,8 +30,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -41,7 +40,7 @@ from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
 from kvroute.heartbeat import EngineLoad, Heartbeat
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import CacheSnapshot, encode_snapshot
 from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
 
 log = logging.getLogger(__name__)
@@ -57,13 +56,6 @@ class _Batch:
 
     def __init__(self, seq: int, data: bytes, num_events: int):
         self.seq, self.data, self.num_events = seq, data, num_events
-
-
-class _Snapshot:
-    __slots__ = ("seq", "media", "ts")
-
-    def __init__(self, seq: int, media: Mapping[str, Sequence[int]], ts: float):
-        self.seq, self.media, self.ts = seq, media, ts
 
 
 class RedisEventPublisher(EventPublisher):
@@ -133,7 +125,7 @@ class RedisEventPublisher(EventPublisher):
         self._next_periodic_snapshot = 0.0
         # Shared state: the buffer (under _lock) and a few flags set from any thread.
         self._lock = threading.Lock()
-        self._buffer: collections.deque[_Batch | _Snapshot] = collections.deque()
+        self._buffer: collections.deque[_Batch | CacheSnapshot] = collections.deque()
         self._num_buffered_batches = 0
         self._snapshot_wanted = threading.Event()
         self._snapshot_wanted.set()  # the first snapshot of the epoch
@@ -164,7 +156,7 @@ class RedisEventPublisher(EventPublisher):
             RuntimeError: started twice (make a new publisher, with a new epoch, instead).
         """
         if self._thread is not None:
-            raise RuntimeError("KVEventPublisher.start: already started")
+            raise RuntimeError("RedisEventPublisher.start: already started")
         self._enqueue_batch([AllBlocksCleared(medium=None)])
         self._thread = threading.Thread(target=self._run, name=f"kv-publisher-{self.replica_id}", daemon=True)
         self._thread.start()
@@ -197,20 +189,6 @@ class RedisEventPublisher(EventPublisher):
         self._snapshot_wanted.set()
 
     # -- the engine thread ----------------------------------------------------------------------
-    def on_engine_step(self, engine: Any) -> None:
-        """``AsyncLLMEngine`` step hook: take the step's events and load from an ``LLMEngine``."""
-        try:
-            kv = engine.kv
-            load = EngineLoad(
-                free_blocks=kv.num_free_blocks, running=engine.num_running, waiting=engine.num_waiting,
-                usage=engine.usage, queued_prefill_tokens=engine.scheduler.queued_prefill_tokens,
-            )
-            events = engine.take_kv_events()
-        except Exception:  # noqa: BLE001 - never raise into the engine
-            log.exception("kv publisher: reading the engine failed")
-            return
-        self.on_step(events, load, kv.cached_event_hashes)
-
     def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
         """Queue one engine step's events (if any) and, when one is wanted, a snapshot.
 
@@ -233,7 +211,7 @@ class RedisEventPublisher(EventPublisher):
             ):
                 self._snapshot_wanted.clear()
                 self._next_periodic_snapshot = now + self.snapshot_interval
-                snap = _Snapshot(self.last_seq, snapshot_fn(), time.time())
+                snap = CacheSnapshot(self.replica_id, self.epoch, self.last_seq, time.time(), snapshot_fn())
                 with self._lock:
                     self._buffer.append(snap)
                 self._wake.set()
@@ -391,14 +369,14 @@ class RedisEventPublisher(EventPublisher):
                 self.batches_published += 1
                 self.events_published += it.num_events
                 self.last_seq_written = it.seq
-        if any(isinstance(it, _Snapshot) for it in items):
+        if any(isinstance(it, CacheSnapshot) for it in items):
             self.snapshots_written += 1
         return True
 
-    def _pipeline(self, items: list[_Batch | _Snapshot]) -> redis.client.Pipeline:
+    def _pipeline(self, items: list[_Batch | CacheSnapshot]) -> redis.client.Pipeline:
         """One MULTI/EXEC writing ``items`` in order (the newest snapshot only: older ones are superseded)."""
         assert self._client is not None
-        last_snapshot = next((it for it in reversed(items) if isinstance(it, _Snapshot)), None)
+        last_snapshot = next((it for it in reversed(items) if isinstance(it, CacheSnapshot)), None)
         pipe = self._client.pipeline(transaction=True)
         epoch = str(self.epoch)
         for it in items:
@@ -410,14 +388,8 @@ class RedisEventPublisher(EventPublisher):
                     approximate=True,
                 )
             elif it is last_snapshot:
-                pipe.set(self._snapshot_key, self._snapshot_bytes(it))
+                pipe.set(self._snapshot_key, encode_snapshot(it))
         return pipe
-
-    def _snapshot_bytes(self, snap: _Snapshot) -> bytes:
-        msg = events_pb2.CacheSnapshot(replica_id=self.replica_id, epoch=self.epoch, seq=snap.seq, ts=snap.ts)
-        for medium, hashes in snap.media.items():
-            msg.media.add(medium=medium, block_hashes=hashes)
-        return msg.SerializeToString()
 
 
 __all__ = ["RedisEventPublisher"]

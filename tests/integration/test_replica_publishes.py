@@ -5,18 +5,19 @@ from __future__ import annotations
 import grpc
 import pytest
 import redis
-from tests.support import wait_for
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
+from kvroute.heartbeat import Heartbeat
 from kvroute.redis_layout import RedisLayout
-from kvroute_tools.redis_server import RedisServer
-from kvroute.v1 import events_pb2
+from kvroute.snapshot import decode_snapshot
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
+from kvroute_tools.redis_server import RedisServer
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
+from tests.support import wait_for
 
 BLOCK = 16
 PROMPT = [(13 * i + 1) % 500 for i in range(3 * BLOCK + 2)]
@@ -47,12 +48,13 @@ def _stream_events(r: redis.Redis, layout: RedisLayout) -> list:
 def test_heartbeat_carries_the_engine_identity_and_address(cluster):
     replica, _stub, r = cluster
     key = RedisLayout("svc").heartbeat_key("pub-replica")
-    hb = wait_for(lambda: r.hgetall(key))
+    beat = Heartbeat.from_redis(wait_for(lambda: r.hgetall(key)))
     eng = replica.server.engine.engine
-    assert hb[b"address"].decode() == replica.server.address
-    assert hb[b"hash_seed_digest"].decode() == eng.hasher.seed_digest
-    assert int(hb[b"num_blocks"]) == eng.num_blocks == 64
-    assert hb[b"model"] == b"kvroute-tiny-llama"
+    assert beat.address == replica.server.address
+    assert beat.hash_identity == eng.hasher.identity
+    assert beat.num_blocks == eng.num_blocks == 64
+    assert beat.model == "kvroute-tiny-llama"
+    assert beat.invalid == ()
 
 
 def test_request_blocks_are_published_as_block_stored_after_the_epoch_clear(cluster):
@@ -84,11 +86,11 @@ def test_request_snapshot_writes_the_cached_set(cluster):
         raw = r.get(key)
         if raw is None:
             return None
-        snap = events_pb2.CacheSnapshot.FromString(raw)
+        snap = decode_snapshot(raw)
         return snap if snap.seq >= seq else None
 
     snap = wait_for(snapshot_at_seq)
-    cached = {h for m in snap.media for h in m.block_hashes}
+    cached = {h for hashes in snap.media.values() for h in hashes}
     want = {to_event_int(d) for d in BlockHasher(block_size=BLOCK).hash_blocks(PROMPT)}
     assert want <= cached
     assert replica.server.publisher.batches_dropped == 0

@@ -1,188 +1,49 @@
-"""EventConsumer against a real redis-server and real KVEventPublishers (router/consumer.py, DESIGN.md §4, §5).
+"""EventConsumer following the event streams through faults, against a real redis-server and real
+RedisEventPublishers (router/consumer.py, router/consumer_feed.py, DESIGN.md §4, §5).
 
-Each replica here is a KVEventPublisher driven directly (no engine): random BlockStored /
-BlockRemoved events, and a ReplicaCacheState fed the same events as the truth. After every fault
-the index must equal, per replica and per medium, the truth's multiset of hashes within 2 s; the
-wait calls each replica's idle step hook, as an idle engine does every 50 ms, so that snapshot
-requests get answered.
+Each replica here is a tests.support.FakeReplica: a RedisEventPublisher driven directly (no
+engine) with random BlockStored / BlockRemoved events, and a ReplicaCacheState fed the same events
+as the truth. After every fault the index must equal, per replica and per medium, the truth's
+multiset of hashes within 2 s; the wait calls each replica's idle step hook, as an idle engine does
+every 50 ms, so that snapshot requests get answered. Restarts, expiry and discovery:
+test_router_consumer_lifecycle.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 
-import pytest
-import redis
-from tests.support import wait_for
-
-from kvroute.cache_state import ReplicaCacheState
 from kvroute.events import CPU, GPU, MEDIA, BlockRemoved, BlockStored
-from kvroute.hashing import BlockHasher
-from kvroute.redis_layout import F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute_tools.redis_server import RedisServer
-from kvroute.v1 import events_pb2
-from replica.publisher import KVEventPublisher
-from router.consumer import EventConsumer, _snapshot_position
-from router.index import BlockIndex
+from kvroute.heartbeat import EngineLoad
+from kvroute.redis_layout import F_SEQ, RedisLayout
+from replica.publisher import RedisEventPublisher
+from router.consumer import EventConsumer
 from router.registry import ReplicaRegistry
+from tests import support
+from tests.support import (
+    FAKE_LOAD_FIELDS,
+    SYNC_TIMEOUT,
+    FakeReplica,
+    engine_info,
+    indexed,
+    read_snapshot,
+    replica_entries,
+    running_consumer,
+    wait_for,
+    wait_synced,
+)
 
-ROUTER_IDENTITY = BlockHasher().identity  # ("sha256_cbor", seed digest, 16)
-LOAD = {"free_blocks": 40, "running": 2, "waiting": 1, "usage": 0.375, "queued_prefill_tokens": 96}
-SYNC_TIMEOUT = 2.0
+LOAD = EngineLoad(**FAKE_LOAD_FIELDS)  # what FakeReplica reports
 
-
-# -- helpers ------------------------------------------------------------------------------------------
-class FakeReplica:
-    """A replica without an engine: a real publisher fed random events; ``truth`` is its cached set."""
-
-    def __init__(self, server: RedisServer, layout: RedisLayout, replica_id: str, *, port: int = 50051,
-                 seed: int = 0, identity: dict | None = None, **publisher_kw):
-        self.replica_id = replica_id
-        self.rng = random.Random(seed)
-        self.truth = ReplicaCacheState()
-        algorithm, seed_digest, block_size = ROUTER_IDENTITY
-        self.identity = {
-            "address": f"127.0.0.1:{port}", "model": "tiny", "block_size": str(block_size),
-            "hash_algorithm": algorithm, "hash_seed_digest": seed_digest, "num_blocks": "64",
-            **(identity or {}),
-        }
-        publisher_kw.setdefault("heartbeat_interval", 0.2)
-        publisher_kw.setdefault("snapshot_interval", 3600)  # snapshots only at start and on request
-        self.pub = KVEventPublisher(server.url, layout, replica_id, self.identity, **publisher_kw)
-        self.pub.start()
-
-    def random_events(self) -> list:
-        held = list(self.truth.as_multiset()[GPU].elements())
-        events: list = []
-        if held and self.rng.random() < 0.6:  # evict one block to the CPU tier
-            victim = self.rng.choice(held)
-            events += [BlockRemoved((victim,), GPU), BlockStored((victim,), None, (), 16, None, CPU, None)]
-        if held and self.rng.random() < 0.2:  # a second copy of a cached block
-            events.append(BlockStored((self.rng.choice(held),), None, (), 16))
-        cpu = list(self.truth.as_multiset()[CPU].elements())
-        if cpu and self.rng.random() < 0.3:
-            events.append(BlockRemoved((self.rng.choice(cpu),), CPU))
-        events.append(BlockStored(tuple(self.rng.getrandbits(64) for _ in range(4)), None, (), 16))
-        return events
-
-    def step(self, events: list | None = None) -> None:
-        """One engine step with ``events`` (default: random ones)."""
-        events = self.random_events() if events is None else events
-        self.truth.apply_events(events)
-        self.pub.on_step(events, LOAD, self.snapshot)
-
-    def steps(self, n: int) -> None:
-        for _ in range(n):
-            self.step()
-
-    def idle(self) -> None:
-        """An idle engine tick: no events, but a wanted snapshot is taken."""
-        self.pub.on_step([], LOAD, self.snapshot)
-
-    def snapshot(self) -> dict[str, list[int]]:
-        return {m: list(c.elements()) for m, c in self.truth.as_multiset().items()}
-
-    def cached(self) -> dict[str, dict[int, int]]:
-        return {m: dict(c) for m, c in self.truth.as_multiset().items()}
-
-    def wait_written(self) -> None:
-        wait_for(lambda: self.idle() or self.pub.last_seq_written == self.pub.last_seq, what="batches written")
-
-    def close(self) -> None:
-        self.pub.close()
+# The shared fixtures (tests.support), under the names the tests take.
+server = support.redis_server
+layout = support.redis_layout
+r = support.redis_client
+fake_replicas = support.fake_replicas
 
 
-def indexed(consumer: EventConsumer, replica_id: str) -> dict[str, dict[int, int]]:
-    with consumer.index_lock:
-        return {m: consumer.index.cached_set(replica_id, m) for m in MEDIA}
-
-
-def in_sync(consumer: EventConsumer, replicas: list[FakeReplica]) -> bool:
-    """The index holds exactly the replicas' cached multisets, per medium, and nobody else; the
-    registry has their heartbeats."""
-    for rep in replicas:
-        rep.idle()
-    for rep in replicas:
-        info = consumer.registry.get(rep.replica_id)
-        if info is None or info.epoch != rep.pub.epoch:
-            return False
-    if any(indexed(consumer, rep.replica_id) != rep.cached() for rep in replicas):
-        return False
-    expected = {rep.replica_id for rep in replicas}
-    return all(r in expected for r, n in consumer.entries().items() if n)
-
-
-def wait_synced(consumer: EventConsumer, replicas: list[FakeReplica], timeout: float = SYNC_TIMEOUT,
-                what: str = "the index to match the replicas") -> None:
-    wait_for(lambda: in_sync(consumer, replicas), timeout, what)
-
-
-def entries_of(r: redis.Redis, layout: RedisLayout, replica_id: str) -> list[tuple[bytes, dict]]:
-    """(entry id, fields) of ``replica_id``'s stream entries, in stream order."""
-    return [(eid, f) for eid, f in r.xrange(layout.events_stream(replica_id))
-            if f[F_REPLICA_ID].decode() == replica_id]
-
-
-def snapshot_seq(r: redis.Redis, layout: RedisLayout, replica_id: str) -> int:
-    data = r.get(layout.snapshot_key(replica_id))
-    assert data is not None, "no snapshot in Redis"
-    return events_pb2.CacheSnapshot.FromString(data).seq
-
-
-@pytest.fixture
-def server():
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def layout():
-    return RedisLayout(namespace="consumertest")
-
-
-@pytest.fixture
-def r(server):
-    client = redis.Redis.from_url(server.url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def replicas(server, layout) -> Iterator[Callable[..., FakeReplica]]:
-    made: list[FakeReplica] = []
-
-    def make(replica_id: str, **kw) -> FakeReplica:
-        kw.setdefault("port", 50051 + len(made))
-        kw.setdefault("seed", len(made))
-        rep = FakeReplica(server, layout, replica_id, **kw)
-        made.append(rep)
-        return rep
-
-    yield make
-    for rep in made:
-        rep.close()
-
-
-@contextlib.contextmanager
-def running_consumer(server: RedisServer, layout: RedisLayout, registry: ReplicaRegistry | None = None,
-                     **kw) -> Iterator[EventConsumer]:
-    registry = registry or ReplicaRegistry(ROUTER_IDENTITY, "redis")
-    kw.setdefault("heartbeat_poll_interval", 0.1)
-    kw.setdefault("block_ms", 50)
-    consumer = EventConsumer(server.url, layout, BlockIndex(speculative_ttl=0), registry, **kw)
-    consumer.start()
-    try:
-        assert consumer.wait_ready(5), "the consumer did not bootstrap"
-        yield consumer
-    finally:
-        consumer.stop()
-
-
-# -- following the streams -----------------------------------------------------------------------------
+# -- following the streams -----------------------------------------------------------------------------------
 def test_follows_live_events_of_several_replicas_over_sharded_streams(server):
     layout = RedisLayout(namespace="consumertest", num_shards=2)
     made = []
@@ -205,8 +66,8 @@ def test_follows_live_events_of_several_replicas_over_sharded_streams(server):
             rep.close()
 
 
-def test_bootstrap_loads_the_snapshot_and_applies_only_the_entries_after_it(server, layout, r, replicas):
-    a, b = replicas("replica-a"), replicas("replica-b")
+def test_bootstrap_loads_the_snapshot_and_applies_only_the_entries_after_it(server, layout, r, fake_replicas):
+    a, b = fake_replicas("replica-a"), fake_replicas("replica-b")
     wait_for(lambda: a.pub.connected and b.pub.connected, what="publishers connected")
     a.steps(10)
     a.pub.request_snapshot()
@@ -215,10 +76,10 @@ def test_bootstrap_loads_the_snapshot_and_applies_only_the_entries_after_it(serv
     a.wait_written()
     b.wait_written()
     # Without the snapshot the stream alone no longer describes replica-a: its start is gone.
-    cut = snapshot_seq(r, layout, "replica-a")
+    cut = read_snapshot(r, layout, "replica-a").seq
     assert cut > 10
     r.xdel(layout.events_stream("replica-a"),
-           *[eid for eid, f in entries_of(r, layout, "replica-a") if int(f[F_SEQ]) <= cut])
+           *[eid for eid, f in replica_entries(r, layout, "replica-a") if int(f[F_SEQ]) <= cut])
     with running_consumer(server, layout) as consumer:
         wait_synced(consumer, [a, b])
         assert consumer.gaps == consumer.resyncs == consumer.snapshot_requests == 0
@@ -226,32 +87,32 @@ def test_bootstrap_loads_the_snapshot_and_applies_only_the_entries_after_it(serv
         wait_synced(consumer, [a, b])
 
 
-# -- event faults -----------------------------------------------------------------------------------------
-def test_dropped_entries_open_a_gap_that_a_requested_snapshot_closes(server, layout, r, replicas):
-    a, b = replicas("replica-a"), replicas("replica-b")
+# -- event faults --------------------------------------------------------------------------------------------
+def test_dropped_entries_open_a_gap_that_a_requested_snapshot_closes(server, layout, r, fake_replicas):
+    a, b = fake_replicas("replica-a"), fake_replicas("replica-b")
     a.steps(5)
     b.steps(5)
     a.wait_written()
-    old_snapshot = snapshot_seq(r, layout, "replica-a")
+    old_snapshot = read_snapshot(r, layout, "replica-a").seq
     a.steps(10)
     a.wait_written()
-    lost = [eid for eid, f in entries_of(r, layout, "replica-a") if old_snapshot + 3 <= int(f[F_SEQ]) <= old_snapshot + 5]
+    lost = [eid for eid, f in replica_entries(r, layout, "replica-a") if old_snapshot + 3 <= int(f[F_SEQ]) <= old_snapshot + 5]
     assert r.xdel(layout.events_stream("replica-a"), *lost) == 3
     with running_consumer(server, layout) as consumer:
         a.steps(3)  # more entries while the gap is open: held, then applied after the snapshot
         wait_synced(consumer, [a, b])
         assert consumer.gaps >= 1 and consumer.resyncs >= 1 and consumer.snapshot_requests >= 1
-        assert snapshot_seq(r, layout, "replica-a") > old_snapshot + 5, "a snapshot was requested"
+        assert read_snapshot(r, layout, "replica-a").seq > old_snapshot + 5, "a snapshot was requested"
         a.steps(3)
         wait_synced(consumer, [a, b])
 
 
-def test_duplicated_entries_are_ignored(server, layout, r, replicas):
-    a = replicas("replica-a")
+def test_duplicated_entries_are_ignored(server, layout, r, fake_replicas):
+    a = fake_replicas("replica-a")
     with running_consumer(server, layout) as consumer:
         a.steps(10)
         wait_synced(consumer, [a])
-        entries = entries_of(r, layout, "replica-a")
+        entries = replica_entries(r, layout, "replica-a")
         stream = layout.events_stream("replica-a")
         # The epoch's AllBlocksCleared, a BlockStored from the middle, and the last entry again.
         for _eid, fields in (entries[0], entries[4], entries[-1]):
@@ -263,11 +124,11 @@ def test_duplicated_entries_are_ignored(server, layout, r, replicas):
         assert consumer.gaps == consumer.resyncs == 0
 
 
-def test_reordered_entries_are_applied_in_seq_order_without_a_snapshot(server, layout, r, replicas):
-    a = replicas("replica-a")
+def test_reordered_entries_are_applied_in_seq_order_without_a_snapshot(server, layout, r, fake_replicas):
+    a = fake_replicas("replica-a")
     a.steps(3)
     a.wait_written()
-    start = snapshot_seq(r, layout, "replica-a")
+    start = read_snapshot(r, layout, "replica-a").seq
     a.steps(10)
     a.wait_written()
     # Rewrite the stream with two entries after the snapshot swapped (the publisher is idle).
@@ -283,8 +144,8 @@ def test_reordered_entries_are_applied_in_seq_order_without_a_snapshot(server, l
         assert consumer.resyncs == consumer.snapshot_requests == consumer.gaps == 0
 
 
-def test_a_block_with_two_copies_stays_indexed_until_the_last_copy_is_removed(server, layout, replicas):
-    a = replicas("replica-a")
+def test_a_block_with_two_copies_stays_indexed_until_the_last_copy_is_removed(server, layout, fake_replicas):
+    a = fake_replicas("replica-a")
     h = 0xDEADBEEF12345678
     with running_consumer(server, layout) as consumer:
         a.step([BlockStored((h,), None, (), 16)])
@@ -299,97 +160,14 @@ def test_a_block_with_two_copies_stays_indexed_until_the_last_copy_is_removed(se
         assert consumer.index.lookup([h])["replica-a"].gpu == 0
 
 
-def test_snapshot_position_reads_epoch_and_seq_from_the_first_bytes():
-    snap = events_pb2.CacheSnapshot(replica_id="replica-" + "x" * 60, epoch=time.time_ns(), seq=300, ts=1.5)
-    snap.media.add(medium=GPU, block_hashes=list(range(1, 10000)))
-    data = snap.SerializeToString()
-    assert _snapshot_position(data[:128]) == (snap.epoch, 300)
-    assert _snapshot_position(data[:20]) is None  # truncated before the seq
-    assert _snapshot_position(b"") is None and _snapshot_position(None) is None
-
-
-# -- restarts and expiry ---------------------------------------------------------------------------------
-def test_a_restarted_router_rebuilds_the_same_index_mid_stream(server, layout, replicas):
-    a, b = replicas("replica-a"), replicas("replica-b")
-    with running_consumer(server, layout) as first:
-        for _ in range(10):
-            a.step()
-            b.step()
-        wait_synced(first, [a, b])
-    for _ in range(10):  # while no router runs
-        a.step()
-        b.step()
-    with running_consumer(server, layout) as second:
-        for _ in range(5):
-            a.step()
-            b.step()
-        wait_synced(second, [a, b])
-        assert second.gaps == second.resyncs == 0
-
-
-def test_a_restarted_replica_new_epoch_drops_what_was_known_of_it(server, layout, r, replicas):
-    a = replicas("replica-a")
-    with running_consumer(server, layout) as consumer:
-        a.steps(10)
-        wait_synced(consumer, [a])
-        old_entry = entries_of(r, layout, "replica-a")[-1][1]
-        a.close()
-        restarted = replicas("replica-a", seed=99)  # a new publisher: a new epoch, an empty cache
-        assert restarted.pub.epoch > a.pub.epoch
-        restarted.steps(5)
-        wait_synced(consumer, [restarted])
-        assert consumer.epoch_changes >= 1
-        assert consumer.registry.get("replica-a").epoch == restarted.pub.epoch
-        r.xadd(layout.events_stream("replica-a"), old_entry)  # a late entry of the old epoch
-        wait_for(lambda: consumer.stale_batches == 1, what="the old epoch's entry ignored")
-        wait_synced(consumer, [restarted])
-
-
-def test_heartbeat_expiry_drops_the_replica_and_its_entries(server, layout, replicas):
-    a, b = replicas("replica-a"), replicas("replica-b")
-    with running_consumer(server, layout) as consumer:
-        a.steps(5)
-        b.steps(5)
-        wait_synced(consumer, [a, b])
-        a.close()  # the heartbeat key expires after 3 x 0.2 s
-        wait_for(
-            lambda: consumer.registry.get("replica-a") is None and "replica-a" not in consumer.index.replicas,
-            timeout=SYNC_TIMEOUT, what="replica-a expired and dropped",
-        )
-        assert [i.replica_id for i in consumer.registry.routable()] == ["replica-b"]
-        wait_synced(consumer, [b])
-
-
-def test_redis_restart_reconnects_and_resyncs(server, layout, replicas):
-    a = replicas("replica-a", buffer_size=3)  # a long outage drops batches: a real seq gap
-    b = replicas("replica-b")
-    with running_consumer(server, layout) as consumer:
-        a.steps(5)
-        b.steps(5)
-        wait_synced(consumer, [a, b])
-        server.stop()
-        wait_for(lambda: not consumer.connected, what="the consumer to notice")
-        a.steps(6)
-        b.steps(2)
-        assert a.pub.batches_dropped > 0
-        server.start()  # same port, empty: streams, heartbeats and snapshots are gone
-        wait_synced(consumer, [a, b], timeout=SYNC_TIMEOUT + 1.0)  # + the reconnect backoff (<= 1 s)
-        assert consumer.reconnects >= 1 and consumer.resyncs >= 1
-        assert {i.replica_id for i in consumer.registry.routable()} == {"replica-a", "replica-b"}
-        a.steps(3)
-        wait_synced(consumer, [a, b])
-
-
-# -- a real KV cache manager -----------------------------------------------------------------------------------
+# -- a real KV cache manager ---------------------------------------------------------------------------------
 def test_the_index_tracks_a_real_kv_cache_manager_through_a_router_restart(server, layout):
     """Realistic events: shared prefixes, duplicate copies, evictions offloaded to the CPU tier."""
     from replica.kv import KVCacheManager, SimpleKVRequest
 
     mgr = KVCacheManager(num_blocks=24, block_size=4, cpu_num_blocks=8, copy_fn=lambda *a: None)
-    algorithm, seed_digest, block_size = mgr.hasher.identity
-    identity = {"address": "127.0.0.1:50051", "model": "tiny", "block_size": block_size,
-                "hash_algorithm": algorithm, "hash_seed_digest": seed_digest, "num_blocks": 24}
-    pub = KVEventPublisher(server.url, layout, "replica-kv", identity, heartbeat_interval=0.2)
+    info = engine_info(mgr.hasher.identity, num_blocks=24)
+    pub = RedisEventPublisher(server.url, layout, "replica-kv", info, "127.0.0.1:50051", heartbeat_interval=0.2)
     pub.start()
     rng = random.Random(7)
     prefixes = [[rng.randrange(1, 500) for _ in range(16)] for _ in range(3)]
@@ -432,36 +210,3 @@ def test_the_index_tracks_a_real_kv_cache_manager_through_a_router_restart(serve
         pub.close()
 
 
-# -- registry and discovery ---------------------------------------------------------------------------------
-def test_incompatible_replicas_are_not_routable_and_not_indexed(server, layout, replicas):
-    ok = replicas("replica-ok")
-    big = replicas("replica-big", identity={"block_size": "32"})
-    salted = replicas("replica-salted", identity={"hash_seed_digest": BlockHasher(seed="other").seed_digest})
-    registry = ReplicaRegistry(ROUTER_IDENTITY, "redis")
-    with running_consumer(server, layout, registry) as consumer:
-        for rep in (ok, big, salted):
-            rep.steps(5)
-        wait_synced(consumer, [ok])
-        wait_for(lambda: len(registry.all()) == 3, what="three heartbeats")
-        assert [i.replica_id for i in registry.routable()] == ["replica-ok"]
-        assert registry.get("replica-big").reason == "block_size 32 != router's 16"
-        assert registry.get("replica-salted").reason.startswith("hash_seed_digest ")
-        assert registry.num_incompatible == 2
-        assert set(consumer.entries()) <= {"replica-ok"}
-
-
-def test_static_discovery_gates_the_index_and_a_rediscovered_replica_resyncs(server, layout, replicas):
-    a, b = replicas("replica-a", port=50051), replicas("replica-b", port=50052)
-    registry = ReplicaRegistry(ROUTER_IDENTITY, "static")
-    registry.set_discovered({"127.0.0.1:50051"})
-    with running_consumer(server, layout, registry) as consumer:
-        a.steps(5)
-        b.steps(5)
-        wait_synced(consumer, [a])  # replica-b heartbeats but is not discovered: not indexed
-        assert registry.get("replica-b").reason == "address 127.0.0.1:50052 not discovered (static discovery)"
-        registry.set_discovered({"127.0.0.1:50051", "127.0.0.1:50052"})  # from another thread
-        wait_synced(consumer, [a, b])  # b is idle: the stalled-heartbeat check resyncs it
-        registry.set_discovered({"127.0.0.1:50052"})
-        wait_synced(consumer, [b])
-        b.steps(3)
-        wait_synced(consumer, [b])

@@ -26,8 +26,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from tests.support import wait_for
 
+from kvroute.engine_info import EngineInfo
 from kvroute.events import GPU, BlockStored
 from kvroute.hashing import BlockHasher
+from kvroute.heartbeat import EngineLoad
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer, free_port
 from kvroute.telemetry import setup_telemetry
@@ -37,7 +39,7 @@ from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from replica.publisher import KVEventPublisher
+from replica.publisher import RedisEventPublisher
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
@@ -262,11 +264,12 @@ def dead_replica(redis_server, rs):
     ids = prompt(7, 8 * B + 1)
     hasher = BlockHasher()
     algorithm, digest, block_size = hasher.identity
-    identity = {"address": f"127.0.0.1:{free_port()}", "model": "kvroute-tiny-llama", "block_size": block_size,
-                "hash_algorithm": algorithm, "hash_seed_digest": digest, "num_blocks": 128}
-    pub = KVEventPublisher(redis_server.url, RedisLayout(), "rep-dead", identity, heartbeat_interval=0.2)
+    info = EngineInfo(model="kvroute-tiny-llama", vocab_size=529, max_model_len=2048, block_size=block_size,
+                      num_blocks=128, hash_algorithm=algorithm, hash_seed_digest=digest)
+    pub = RedisEventPublisher(redis_server.url, RedisLayout(), "rep-dead", info, f"127.0.0.1:{free_port()}",
+                              heartbeat_interval=0.2)
     pub.start()
-    load = {"free_blocks": 119, "running": 0, "waiting": 0, "usage": 0.07, "queued_prefill_tokens": 0}
+    load = EngineLoad(free_blocks=119, running=0, waiting=0, usage=0.07, queued_prefill_tokens=0)
     hashes = tuple(hasher.event_ints(ids))
     pub.on_step([BlockStored(hashes, None, (), B)], load, lambda: {GPU: list(hashes)})
     wait_for(lambda: by_id(score(rs, ids)).get("rep-dead", router_pb.ReplicaScore()).gpu_matched_blocks == 8,

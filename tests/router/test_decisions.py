@@ -13,6 +13,7 @@ import random
 import pytest
 
 from kvroute.hashing import BlockHasher, BlockHashKeys
+from kvroute.heartbeat import Heartbeat
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
@@ -42,7 +43,7 @@ def heartbeat(rid, i, hasher, **load):
         "queued_prefill_tokens": "0", "ts": "0",
     }
     fields.update({k: str(v) for k, v in load.items()})
-    return fields
+    return Heartbeat.from_redis(fields)
 
 
 def prompt(seed, n):

@@ -19,6 +19,7 @@ import kubernetes.client
 import pytest
 
 from kvroute.hashing import BlockHasher
+from kvroute.heartbeat import Heartbeat
 from router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery, parse_address
 from router.registry import ReplicaRegistry
 from tests.support import wait_for
@@ -314,9 +315,9 @@ def test_an_unreachable_api_server_is_retried_without_crashing():
 def test_kubernetes_discovery_makes_heartbeating_replicas_routable(api, discovery):
     registry = ReplicaRegistry(BlockHasher().identity, "kubernetes")
     algorithm, digest, block_size = BlockHasher().identity
-    registry.update_from_heartbeat({"replica_id": "replica-0", "address": "10.0.0.1:50051", "epoch": "1",
-                                    "hash_algorithm": algorithm, "hash_seed_digest": digest,
-                                    "block_size": str(block_size)}, now=0.0)
+    registry.update_from_heartbeat(Heartbeat(replica_id="replica-0", address="10.0.0.1:50051", epoch=1,
+                                             hash_algorithm=algorithm, hash_seed_digest=digest,
+                                             block_size=block_size), now=0.0)
     assert registry.routable() == []
     api.put(endpoint_slice("replicas-a", [("10.0.0.1", True)]))
     d = discovery()
@@ -343,6 +344,6 @@ def test_static_discovery_validates_and_publishes_its_addresses():
 def test_redis_discovery_is_every_heartbeating_replica():
     registry = ReplicaRegistry(BlockHasher().identity, "redis")
     d = RedisDiscovery(registry)
-    registry.update_from_heartbeat({"replica_id": "replica-0", "address": "10.0.0.1:50051"}, now=0.0)
+    registry.update_from_heartbeat(Heartbeat(replica_id="replica-0", address="10.0.0.1:50051"), now=0.0)
     assert d.addresses() == {"10.0.0.1:50051"}
     assert registry.get("replica-0").discovered

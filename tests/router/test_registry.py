@@ -8,19 +8,21 @@ import logging
 import pytest
 
 from kvroute.hashing import BlockHasher
+from kvroute.heartbeat import Heartbeat
 from router.registry import ReplicaRegistry
 
 ROUTER = BlockHasher().identity  # ("sha256_cbor", "9bd96a485ad84efd", 16)
 
 
-def heartbeat(replica_id: str = "replica-0", address: str = "10.0.0.1:50051", **fields: str) -> dict[str, str]:
+def heartbeat(replica_id: str = "replica-0", address: str = "10.0.0.1:50051", **fields: str) -> Heartbeat:
+    """A heartbeat as the consumer reads it from Redis (every field a string)."""
     algorithm, digest, block_size = ROUTER
-    return {
+    return Heartbeat.from_redis({
         "replica_id": replica_id, "address": address, "epoch": "7", "last_seq": "42", "model": "tiny",
         "block_size": str(block_size), "hash_algorithm": algorithm, "hash_seed_digest": digest,
         "num_blocks": "64", "free_blocks": "40", "running": "2", "waiting": "1", "usage": "0.375",
         "queued_prefill_tokens": "96", "ts": "1700000000.0", **fields,
-    }
+    })
 
 
 def test_a_heartbeat_is_parsed_and_a_compatible_replica_is_routable():
@@ -121,4 +123,6 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="discovery: unknown mode"):
         ReplicaRegistry(ROUTER, "dns")
     with pytest.raises(ValueError, match="missing replica_id"):
-        ReplicaRegistry(ROUTER).update_from_heartbeat({"address": "x:1"}, now=0.0)
+        ReplicaRegistry(ROUTER).update_from_heartbeat(Heartbeat.from_redis({"address": "x:1"}), now=0.0)
+    with pytest.raises(ValueError, match="missing replica_id"):
+        ReplicaRegistry(ROUTER).update_from_heartbeat(Heartbeat(replica_id=""), now=0.0)
