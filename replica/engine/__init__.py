@@ -10,4 +10,7 @@ preempted; every block is freed when a request finishes or is aborted.
 
     add_request ─▶ Scheduler ─▶ ModelRunner (model + attention backend) ─▶ Sampler ─▶ detokenizer/stop
                       │ KVCacheManager (replica.kv)
+
+May import: ``kvroute`` (hashing, events, engine_info, the prompt rules), ``replica.kv``,
+``replica.model``, ``replica.attention`` and torch; never ``router`` or the replica's gRPC layer.
 """
