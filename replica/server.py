@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.process import BackgroundServer, run_main, run_until_signal
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -65,14 +66,13 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def resolve_model_dir(settings: ReplicaSettings) -> tuple[Path, str]:
     """The model folder and its name: ``settings.model``, or the generated default model in
-    ``settings.model_cache_dir`` (default ``~/.cache/kvroute/models``), generated on first use."""
+    ``settings.model_cache_dir`` (:func:`kvroute.prompt.default_model_dir`), generated on first use."""
     if settings.model:
         path = Path(settings.model).expanduser()
         return path, path.name
-    from replica.model.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+    from replica.model.default_model import ensure_default_model
 
-    cache = Path(settings.model_cache_dir).expanduser() if settings.model_cache_dir else Path.home() / ".cache/kvroute/models"
-    return Path(ensure_default_model(cache / DEFAULT_MODEL_DIRNAME)), DEFAULT_MODEL_DIRNAME
+    return Path(ensure_default_model(default_model_dir(settings.model_cache_dir))), DEFAULT_MODEL_DIRNAME
 
 
 def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:

@@ -43,9 +43,10 @@ import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.heartbeat import EngineLoad
+from kvroute.prompt import InvalidRequestError as PromptError
+from kvroute.prompt import prompt_ids
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context
-from kvroute.tokenizer import ChatTemplateError
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -73,7 +74,7 @@ _FINISH_REASONS = {
 # -- the error boundary -------------------------------------------------------------------------
 def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status of an exception that escaped a servicer method (None: a bug -> INTERNAL)."""
-    if isinstance(exc, InvalidRequestError):
+    if isinstance(exc, PromptError):  # the engine's InvalidRequestError is one too
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
@@ -101,32 +102,6 @@ def sampling_params_from_proto(msg: gen_pb.SamplingParams | None) -> SamplingPar
     return SamplingParams(
         **kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos
     )
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A conversation to render with the model's chat template (``add_generation_prompt=True``)."""
-
-    messages: tuple[dict[str, str], ...]
-
-
-Prompt = str | list[int] | ChatPrompt
-
-
-def prompt_of(request: gen_pb.GenerateRequest) -> Prompt:
-    """The prompt oneof of a public ``GenerateRequest``.
-
-    Raises:
-        InvalidRequestError: ``prompt`` when none of text / token_ids / chat is set.
-    """
-    kind = request.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
-    if kind == "text":
-        return request.text
-    if kind == "token_ids":
-        return list(request.token_ids.ids)
-    return ChatPrompt(tuple({"role": m.role, "content": m.content} for m in request.chat.messages))
 
 
 # -- per-call state ---------------------------------------------------------------------------------
@@ -369,31 +344,27 @@ class ReplicaFrontend:
             raise EngineDeadError(str(dead) if isinstance(dead, EngineDeadError) else f"engine step loop died: {dead!r}")
         return self.engine
 
-    def _tokens_of(self, prompt: Prompt) -> str | list[int]:
-        if not isinstance(prompt, ChatPrompt):
-            return prompt
-        if not prompt.messages:
-            raise InvalidRequestError("prompt.chat", "must contain at least one message")
-        tok = self.tokenizer
-        try:
-            text = tok.apply_chat_template(list(prompt.messages), add_generation_prompt=True)
-        except ChatTemplateError as e:
-            raise InvalidRequestError("prompt.chat", str(e)) from e
-        # The template writes BOS itself (Llama 3 style); encoding with special tokens would double it.
-        return tok.encode(text, add_special_tokens=False)
+    def prompt_ids(self, request: gen_pb.GenerateRequest | rep_pb.ReplicaGenerateRequest) -> list[int]:
+        """The prompt of a public request as token ids (:func:`kvroute.prompt.prompt_ids`, as the
+        router computes them), or a ReplicaService request's ids; the engine validates them.
+
+        Raises:
+            InvalidRequestError: ``prompt`` / ``prompt.chat`` (see ``kvroute.prompt``).
+        """
+        if isinstance(request, rep_pb.ReplicaGenerateRequest):
+            return list(request.token_ids)
+        return prompt_ids(self.tokenizer, request)
 
     async def stream(
         self,
-        prompt: Prompt,
-        sampling: gen_pb.SamplingParams | None,
-        request_id: str,
-        cache_salt: str,
+        request: gen_pb.GenerateRequest | rep_pb.ReplicaGenerateRequest,
         context: grpc.aio.ServicerContext,
         *,
         method: str,
         operation: str = "text_completion",
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
-        """Run one request and yield its response deltas (the last one carries the final fields).
+        """Run one request (a public one, or the router's token ids) and yield its response deltas
+        (the last one carries the final fields).
 
         Raises:
             InvalidRequestError: a bad prompt or sampling value, or ``request_id`` in flight.
@@ -414,11 +385,11 @@ class ReplicaFrontend:
         error: tuple[str, str] | None = None
         try:
             engine = self._require_engine()
-            params = sampling_params_from_proto(sampling)
-            rid = request_id or f"{self.replica_id}-{uuid.uuid4().hex[:16]}"
+            params = sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+            rid = request.request_id or f"{self.replica_id}-{uuid.uuid4().hex[:16]}"
             if rid in self._calls:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
-            req = engine.make_request(self._tokens_of(prompt), params, rid, cache_salt or None)
+            req = engine.make_request(self.prompt_ids(request), params, rid, request.cache_salt or None)
             # The scheduler's queue as of the last step (preempted requests included), or what
             # was submitted since and not admitted yet, whichever is longer.
             sample = self._sample
@@ -564,26 +535,20 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self._fe = frontend
 
     @staticmethod
-    def _args(request: gen_pb.GenerateRequest) -> tuple[Prompt, gen_pb.SamplingParams | None, str, str]:
-        sampling = request.sampling if request.HasField("sampling") else None
-        return prompt_of(request), sampling, request.request_id, request.cache_salt
-
-    @staticmethod
     def _operation(request: gen_pb.GenerateRequest) -> str:
         return "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
 
     @_boundary
     async def Generate(self, request, context):
         return await self._fe.unary(
-            *self._args(request), context, method=f"{GENERATION_SERVICE}/Generate", operation=self._operation(request)
+            request, context, method=f"{GENERATION_SERVICE}/Generate", operation=self._operation(request)
         )
 
     @_boundary
     async def GenerateStream(self, request, context):
         async with contextlib.aclosing(
             self._fe.stream(
-                *self._args(request), context, method=f"{GENERATION_SERVICE}/GenerateStream",
-                operation=self._operation(request),
+                request, context, method=f"{GENERATION_SERVICE}/GenerateStream", operation=self._operation(request)
             )
         ) as deltas:
             async for d in deltas:
@@ -600,19 +565,14 @@ class ReplicaServicer(rep_grpc.ReplicaServiceServicer):
     def __init__(self, frontend: ReplicaFrontend) -> None:
         self._fe = frontend
 
-    @staticmethod
-    def _args(request: rep_pb.ReplicaGenerateRequest) -> tuple[list[int], gen_pb.SamplingParams | None, str, str]:
-        sampling = request.sampling if request.HasField("sampling") else None
-        return list(request.token_ids), sampling, request.request_id, request.cache_salt
-
     @_boundary
     async def Generate(self, request, context):
-        return await self._fe.unary(*self._args(request), context, method=f"{REPLICA_SERVICE}/Generate")
+        return await self._fe.unary(request, context, method=f"{REPLICA_SERVICE}/Generate")
 
     @_boundary
     async def GenerateStream(self, request, context):
         async with contextlib.aclosing(
-            self._fe.stream(*self._args(request), context, method=f"{REPLICA_SERVICE}/GenerateStream")
+            self._fe.stream(request, context, method=f"{REPLICA_SERVICE}/GenerateStream")
         ) as deltas:
             async for d in deltas:
                 yield d
@@ -642,7 +602,6 @@ def service_names() -> Sequence[str]:
 __all__ = [
     "GENERATION_SERVICE",
     "REPLICA_SERVICE",
-    "ChatPrompt",
     "GenerationServicer",
     "EngineClient",
     "ModelDescription",
@@ -654,7 +613,6 @@ __all__ = [
     "StepReport",
     "classify_error",
     "load_fields",
-    "prompt_of",
     "sampling_params_from_proto",
     "service_names",
     "take_step_sample",

@@ -55,6 +55,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.prompt import InvalidRequestError, PromptTokenizer
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -77,7 +78,6 @@ from router.telemetry import (
     CallSpans,
     RouterMetrics,
 )
-from router.tokenize import InvalidRequestError, PromptTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
 from kvroute.process import BackgroundServer, run_main, run_until_signal
+from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -43,7 +44,6 @@ from router.registry import ReplicaRegistry
 from router.scoring import Policy, make_policy
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
-from router.tokenize import PromptTokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -207,7 +207,7 @@ def test_health_and_reflection(channel):
 
 
 def test_the_router_imports_neither_torch_nor_the_replica_package():
-    code = ("import sys, router.server, router.proxy, router.tokenize, router.telemetry, kvroute_tools.cli; "
+    code = ("import sys, router.server, router.proxy, kvroute.prompt, router.telemetry, kvroute_tools.cli; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'replica')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
