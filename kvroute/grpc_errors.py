@@ -11,6 +11,10 @@ through so that grpc reports CANCELLED / DEADLINE_EXCEEDED and the method's ``fi
 release what the call held. Streaming methods close their inner generator explicitly
 (``aclosing``) so that cleanup runs at once, not when the garbage collector finds it.
 
+The same mapping, as (status name, message), is what a call's metrics and spans record:
+:func:`call_outcome` (a cancelled handler reads as DEADLINE_EXCEEDED once the deadline has passed,
+else CANCELLED).
+
 Imports no replica or router code: each side passes its own classifier.
 """
 
@@ -46,6 +50,32 @@ def _status_of(exc: BaseException, classify: Classifier | None) -> tuple[grpc.St
         return mapped
     log.exception("unhandled error in a gRPC method", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def deadline_expired(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call's deadline has passed (False for a call without one)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+def call_outcome(
+    exc: BaseException, context: grpc.aio.ServicerContext, classify: Classifier | None = None
+) -> tuple[str, str]:
+    """(status name, message) of a call that ended with ``exc``, for its metrics and spans.
+
+    ``asyncio.CancelledError`` / ``GeneratorExit`` (the handler was cancelled, or abandoned
+    mid-stream): ``DEADLINE_EXCEEDED`` when the deadline has passed, else ``CANCELLED``. Otherwise
+    what :func:`error_boundary` makes of it: an :class:`RpcError`'s status, the classifier's, or
+    ``INTERNAL``.
+    """
+    if not isinstance(exc, Exception):
+        return ("DEADLINE_EXCEEDED", "deadline expired") if deadline_expired(context) else ("CANCELLED", "cancelled by the client")
+    if isinstance(exc, RpcError):
+        return exc.code.name, exc.message
+    mapped = classify(exc) if classify is not None else None
+    if mapped is None:
+        return "INTERNAL", f"{type(exc).__name__}: {exc}"
+    return mapped[0].name, mapped[1]
 
 
 def error_boundary(classify: Classifier | None = None) -> Callable:
@@ -84,4 +114,4 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
     return decorate
 
 
-__all__ = ["Classifier", "RpcError", "error_boundary"]
+__all__ = ["Classifier", "RpcError", "call_outcome", "deadline_expired", "error_boundary"]

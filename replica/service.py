@@ -29,7 +29,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -41,7 +40,7 @@ from typing import Any
 
 import grpc
 
-from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.grpc_errors import RpcError, call_outcome, error_boundary
 from kvroute.heartbeat import EngineLoad
 from kvroute.prompt import InvalidRequestError as PromptError
 from kvroute.prompt import prompt_ids
@@ -414,18 +413,10 @@ class ReplicaFrontend:
                         yield self._final_response(out)
                     elif out.new_token_ids or out.text:
                         yield gen_pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text)
-        except (asyncio.CancelledError, GeneratorExit):  # the handler was cancelled, or abandoned mid-stream
-            if final is None:
-                remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= 0
-                error = ("DEADLINE_EXCEEDED", "deadline expired") if expired else ("CANCELLED", "cancelled by the client")
-            raise
-        except Exception as exc:
-            if isinstance(exc, RpcError):
-                error = (exc.code.name, exc.message)
-            else:
-                code, message = classify_error(exc) or (grpc.StatusCode.INTERNAL, repr(exc))
-                error = (code.name, message)
+        except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is
+            # A cancel (or an abandoned stream) after the final response is no error of the call's.
+            if final is None or isinstance(exc, Exception):
+                error = call_outcome(exc, context, classify_error)
             raise
         finally:
             end_ns = time.time_ns()
