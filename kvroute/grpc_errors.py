@@ -8,8 +8,8 @@ into ``context.abort(code, message)`` through a *classifier* the process supplie
 
 Cancellation (client cancel, deadline expiry) is never caught: ``asyncio.CancelledError`` passes
 through so that grpc reports CANCELLED / DEADLINE_EXCEEDED and the method's ``finally`` blocks
-release what the call held. Streaming methods close their inner generator explicitly
-(``aclosing``) so that cleanup runs at once, not when the garbage collector finds it.
+release what the call held. Streaming methods' generators are closed explicitly (``aclosing``)
+so that cleanup runs at once, not when the garbage collector finds it.
 
 The same mapping, as (status name, message), is what a call's metrics and spans record:
 :func:`call_outcome` (a cancelled handler reads as DEADLINE_EXCEEDED once the deadline has passed,
@@ -79,11 +79,13 @@ def call_outcome(
 
 
 def error_boundary(classify: Classifier | None = None) -> Callable:
-    """Decorator for ``async def method(self, request, context)`` servicer methods, coroutine or
-    async generator, that maps escaping exceptions to a status with ``classify``."""
+    """Decorator for servicer methods ``(self, request, context)`` that maps escaping exceptions
+    to a status with ``classify``: an ``async def`` coroutine (unary), an async generator, or a
+    plain ``def`` returning an async iterator (both server-streaming; the iterator is closed at
+    once when the call ends)."""
 
     def decorate(fn: Callable) -> Callable:
-        if inspect.isasyncgenfunction(fn):
+        if inspect.isasyncgenfunction(fn) or not inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def stream(self, request, context):

@@ -449,12 +449,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         return await self._proxy.unary(request, context, method=f"{GENERATION_SERVICE}/Generate")
 
     @_boundary
-    async def GenerateStream(self, request, context):
-        async with contextlib.aclosing(
-            self._proxy.stream(request, context, method=f"{GENERATION_SERVICE}/GenerateStream")
-        ) as deltas:
-            async for d in deltas:
-                yield d
+    def GenerateStream(self, request, context):
+        return self._proxy.stream(request, context, method=f"{GENERATION_SERVICE}/GenerateStream")
 
     @_boundary
     async def GetModelInfo(self, request, context):

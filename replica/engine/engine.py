@@ -51,7 +51,11 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """What the last step did, in tokens (the engine's step stats)."""
+    """What the last step scheduled, in tokens: the engine's own per-step stats (``last_step``).
+
+    Not the load sample (``replica.telemetry.EngineSample``: queues, KV usage, cumulative cache
+    counters after a step) nor the frontend's ``StepReport`` (``replica.engine.step_hook``).
+    """
 
     num_scheduled_tokens: int = 0
     num_prefill_tokens: int = 0  # scheduled tokens of requests still in their prompt

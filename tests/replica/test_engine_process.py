@@ -31,7 +31,7 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.async_engine import EngineDeadError
-from replica.engine.engine_proc import ProcessLLMEngine
+from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica, build_process_engine, resolve_model_dir
 from replica.settings import ReplicaSettings
@@ -132,8 +132,8 @@ def test_model_info_comes_from_the_engine_process(gen, rep, replica, settings):
     assert info == rep.GetModelInfo(gen_pb.GetModelInfoRequest())
     assert (info.model, info.block_size, info.hash_algorithm) == ("kvroute-tiny-llama", BLOCK, "sha256_cbor")
     assert info.hash_seed_digest == hasher.seed_digest
-    assert info.max_model_len == replica.server.engine.facts.max_model_len > 0
-    assert list(info.eos_token_ids) == list(replica.server.engine.facts.eos_token_ids)
+    assert info.max_model_len == replica.server.engine.info.max_model_len > 0
+    assert list(info.eos_token_ids) == list(replica.server.engine.info.eos_token_ids)
     load = rep.GetLoad(rep_pb.GetLoadRequest())
     assert load.replica_id == "proc-replica" and load.num_blocks == 128
 
@@ -240,10 +240,10 @@ def _stream_events(r: redis.Redis) -> list:
 
 def test_heartbeat_carries_the_identity_and_the_load(replica, r):
     hb = wait_for(lambda: r.hgetall(RedisLayout(NAMESPACE).heartbeat_key("proc-replica")))
-    facts = replica.server.engine.facts
+    info = replica.server.engine.info
     assert hb[b"address"].decode() == replica.server.address
-    assert hb[b"hash_seed_digest"].decode() == facts.hash_seed_digest
-    assert int(hb[b"num_blocks"]) == facts.num_blocks == 128
+    assert hb[b"hash_seed_digest"].decode() == info.hash_seed_digest
+    assert int(hb[b"num_blocks"]) == info.num_blocks == 128
     assert hb[b"model"] == b"kvroute-tiny-llama"
     assert int(hb[b"free_blocks"]) <= 127
 
@@ -263,8 +263,8 @@ def test_request_blocks_reach_redis_as_block_stored_after_the_epoch_clear(replic
     assert [seq for seq, _ in batches] == list(range(1, len(batches) + 1))
     # The server sees the publisher's counters through the step reports.
     pub = replica.server.publisher
-    wait_for(lambda: pub.batches_published >= len(batches) and pub.events_published >= 3)
-    assert pub.batches_dropped == 0 and pub.connected
+    wait_for(lambda: pub.stats().batches_published >= len(batches) and pub.stats().events_published >= 3)
+    assert pub.stats().batches_dropped == 0 and pub.stats().connected
 
 
 def test_request_snapshot_rpc_reaches_the_publisher_in_the_engine_process(rep, r):

@@ -17,7 +17,7 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica
-from replica.service import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
+from replica.wire import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
 from replica.settings import ReplicaSettings
 
 BLOCK = 16
