@@ -26,7 +26,6 @@ import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
 from kvroute.hashing import BlockHasher
-from kvroute.process import BackgroundServer, run_main, run_until_signal
+from kvroute.process import BackgroundServer, ServerMain
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
@@ -339,19 +338,13 @@ class BackgroundReplica(BackgroundServer):
         )
 
 
-async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
-    """Run a replica until SIGTERM / SIGINT, then stop it gracefully."""
-    await run_until_signal(
-        lambda t: ReplicaServer(settings, telemetry=t), "kvroute-replica", settings.metrics_port, telemetry
-    )
-
-
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``python -m replica`` / ``kvroute replica``: flags (or ``KVROUTE_*``) -> ReplicaSettings -> serve."""
-    return run_main(
-        ReplicaSettings, argv, prog or "python -m replica",
-        "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.", serve, "replica",
-    )
+_MAIN = ServerMain(
+    ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
+    "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
+    "replica",
+)
+serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
+main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``
 
 
 __all__ = [
