@@ -18,7 +18,8 @@ import pytest
 import redis
 from tests import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests.support import assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import deltas_before_deadline, started_stream
 from tests.support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
@@ -194,9 +195,7 @@ def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
 
 # -- cancellation and Abort free the blocks in the engine process ---------------------------------------
 def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG))
-    got = [next(stream) for _ in range(5)]
-    assert all(len(d.token_ids) == 1 for d in got)
+    stream = started_stream(gen, gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG), 5)
     busy = wait_for(lambda: (load := rep.GetLoad(rep_pb.GetLoadRequest())).running == 1 and load)
     assert busy.kv_usage > 0 and busy.free_blocks < 127
     stream.cancel()
@@ -207,20 +206,12 @@ def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
 
 def test_deadline_expiry_mid_stream_is_deadline_exceeded_and_frees_every_block(gen, rep):
     stream = gen.GenerateStream(gen_pb.GenerateRequest(text="too slow " * 20, sampling=GREEDY_LONG), timeout=0.8)
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deltas_before_deadline(stream)
     wait_for(lambda: idle(rep))
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(gen, rep):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id="abort-p", text="abort me", sampling=GREEDY_LONG))
-    next(stream)
-    assert rep.Abort(rep_pb.AbortRequest(request_id="abort-p")).found
-    rest = list(stream)
-    assert rest[-1].finish_reason == gen_pb.FINISH_REASON_ABORT
-    assert not rep.Abort(rep_pb.AbortRequest(request_id="abort-p")).found
+    abort_mid_stream(gen, rep, "abort-p", GREEDY_LONG)
     wait_for(lambda: idle(rep))
 
 
@@ -345,9 +336,14 @@ def raise_value_error(engine) -> None:
     raise ValueError("from the engine process")
 
 
+def process_engine(models, **settings) -> ProcessLLMEngine:
+    """A ProcessLLMEngine of the default model in ``models`` (64 blocks, one torch thread), not started."""
+    s = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1, **settings)
+    return ProcessLLMEngine(functools.partial(build_process_engine, s), resolve_model_dir(s)[0])
+
+
 def test_call_runs_picklable_functions_in_the_engine_process_and_refuses_lambdas(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models)
     engine.start()
     try:
         async def run() -> None:
@@ -369,8 +365,7 @@ def test_call_runs_picklable_functions_in_the_engine_process_and_refuses_lambdas
 
 
 def test_startup_error_in_the_engine_process_is_raised_by_start(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1, max_model_len=10**7)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models, max_model_len=10**7)
     with pytest.raises(ValueError, match="^max_model_len: "):
         engine.start()
     assert not pid_alive(engine.pid)
@@ -386,8 +381,7 @@ def test_missing_model_folder_fails_start_with_model_load_error(tmp_path):
 
 
 def test_streams_end_with_engine_dead_error_when_the_process_dies(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models)
     engine.start()
     try:
         async def run() -> None:
