@@ -44,7 +44,7 @@ from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
-from replica.frontend import ReplicaFrontend
+from replica.frontend import EngineClient, ReplicaFrontend
 from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, make_publisher
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
@@ -166,7 +166,7 @@ class ReplicaServer:
         self.port: int | None = None
         self.address = ""
         self.replica_id = settings.replica_id
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.publisher: EventPublisher = NullEventPublisher()
         self.frontend: ReplicaFrontend | None = None
         self.model_name = ""
@@ -251,23 +251,22 @@ class ReplicaServer:
         s = self.settings
         model_dir, self.model_name = await asyncio.to_thread(resolve_model_dir, s)  # generates the default model
         self._make_metrics(frontend)
+
+        def on_step_report(report: StepReport) -> None:  # the engine client's reader thread, once started
+            remote.update(report.publisher)
+            frontend.on_step_report(report)
+
         engine = ProcessLLMEngine(
             functools.partial(build_process_engine, s), model_dir, model=self.model_name,
             step_hook_factory=functools.partial(make_process_step_hook, s, self.address, self.replica_id, self.model_name),
-            on_step_report=self._on_step_report,
+            on_step_report=on_step_report,
         )
-        self.publisher = self._remote = RemotePublisher(engine)
+        self.publisher = remote = RemotePublisher(engine)
         self.engine = engine  # before it starts: stop() during the start ends the engine process
         await asyncio.to_thread(engine.start)
         assert engine.info is not None and engine.tokenizer is not None
-        frontend.attach(engine, engine.info, engine.tokenizer, self.publisher)
+        frontend.attach(engine, engine.info, engine.tokenizer, remote)
         return engine.info
-
-    def _on_step_report(self, report: StepReport) -> None:
-        """The engine process's step reports (the engine client's reader thread): the publisher's
-        counters, then the frontend's side of the step hook."""
-        self._remote.update(report.publisher)
-        self.frontend.on_step_report(report)
 
     async def _start_engine_thread(self, frontend: ReplicaFrontend) -> EngineInfo:
         engine, self.model_name = await asyncio.to_thread(build_engine, self.settings)
