@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
+from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
+from kvroute.heartbeat import EngineLoad
 from kvroute.process import BackgroundServer, ServerMain
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
@@ -45,7 +48,7 @@ from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
-from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, make_publisher
+from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
@@ -147,7 +150,7 @@ class RemotePublisher(EventPublisher):
     def close(self, timeout: float = 2.0) -> None:
         """Nothing to do here: the engine process closes the publisher when it stops."""
 
-    def on_step(self, events, load, snapshot_fn) -> None:
+    def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
         """Never called in this process: the engine's steps run in the engine process."""
 
 

@@ -208,6 +208,13 @@ def test_replica_service_rejects_bad_token_ids_naming_the_field(rep, model_info)
     assert err.value.details().startswith("prompt: ")
 
 
+def test_request_snapshot_without_redis_is_failed_precondition_naming_redis_url(rep):
+    with pytest.raises(grpc.RpcError) as err:
+        rep.RequestSnapshot(rep_pb.RequestSnapshotRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details().startswith("redis_url: ")
+
+
 def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
     assert_duplicate_request_id_refused(gen, rep, "dup-1", GREEDY_LONG)
 
