@@ -10,4 +10,11 @@ preempted; every block is freed when a request finishes or is aborted.
 
     add_request ─▶ Scheduler ─▶ ModelRunner (model + attention backend) ─▶ Sampler ─▶ detokenizer/stop
                       │ KVCacheManager (replica.kv)
+
+Where the step loop runs: ``async_engine`` (a thread of the server) or its own process, one file
+per side of the pipe: ``core_client`` (ProcessLLMEngine, what the server holds), ``core_proc`` (the
+loop in the engine process), ``core_messages`` (what crosses). ``step_hook`` is the hook's engine
+side (load sample, KV events to the publisher). May import ``kvroute``, ``replica.kv``,
+``replica.model``, ``replica.attention``, and (``step_hook`` only) ``replica.publisher`` and
+``replica.telemetry``; never ``router``.
 """
