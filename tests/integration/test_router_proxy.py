@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from tests.support import deltas_before_deadline, started_stream, wait_for
+from tests.support import wait_for
 
 from kvroute.events import GPU, BlockStored
 from kvroute.hashing import BlockHasher
@@ -42,6 +42,7 @@ from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
+from tests.support import deltas_before_deadline, started_stream
 
 B = 16
 T = 30.0  # deadline of every call
