@@ -17,7 +17,7 @@ traffic (and says why); exact ties are broken at random, never by list position.
       └──────────────────── load (in-flight, shared between routers) ◀──┘
 
 Modules: ``index`` (pure data structure), ``registry`` (replica states), ``consumer`` (Redis I/O),
-``discovery`` (static / redis / kubernetes), ``scoring`` (cost model), ``load`` (in-flight
+``discovery`` (static / redis / kubernetes), ``tokenize`` (text / chat -> token ids, as the replicas do), ``scoring`` (cost model), ``load`` (in-flight
 accounting), ``core`` (hash + lookup + score + pick), ``proxy`` / ``server`` (gRPC), ``settings``,
 ``telemetry``.
 """

@@ -91,27 +91,6 @@ def make_cpu_engine(model_dir, *, num_blocks: int, block_size: int = 16, **overr
     return LLMEngine(model_dir, EngineConfig(**cfg))
 
 
-def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> None:
-    """While a public stream with ``request_id`` is in flight, a ReplicaService call reusing the id
-    fails INVALID_ARGUMENT naming ``request_id``; the stream is then cancelled and the replica drains."""
-    import grpc
-    import pytest
-
-    from kvroute.v1 import generation_pb2 as gen_pb
-    from kvroute.v1 import replica_pb2 as rep_pb
-
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id=request_id, text="a long one", sampling=sampling))
-    next(stream)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            rep.Generate(rep_pb.ReplicaGenerateRequest(request_id=request_id, token_ids=[1, 2, 3]))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details().startswith("request_id: ")
-    finally:
-        stream.cancel()
-    wait_for(lambda: replica_idle(rep))
-
-
 def started_stream(gen, request, n: int, timeout: float | None = None):
     """``gen.GenerateStream(request, timeout=timeout)`` after its first ``n`` deltas, each of which
     carried exactly one token (the call is then in flight on a replica)."""
@@ -149,3 +128,25 @@ def abort_mid_stream(gen, rep, request_id: str, sampling) -> list:
     assert rest[-1].finish_reason == gen_pb.FINISH_REASON_ABORT
     assert not rep.Abort(rep_pb.AbortRequest(request_id=request_id)).found
     return rest
+
+
+def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> None:
+    """While a public stream with ``request_id`` is in flight, a ReplicaService call reusing the id
+    fails INVALID_ARGUMENT naming ``request_id``; the stream is then cancelled and the replica drains."""
+    import grpc
+    import pytest
+
+    from kvroute.v1 import generation_pb2 as gen_pb
+    from kvroute.v1 import replica_pb2 as rep_pb
+
+    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id=request_id, text="a long one", sampling=sampling))
+    next(stream)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            rep.Generate(rep_pb.ReplicaGenerateRequest(request_id=request_id, token_ids=[1, 2, 3]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("request_id: ")
+    finally:
+        stream.cancel()
+    wait_for(lambda: replica_idle(rep))
+
