@@ -149,4 +149,3 @@ def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> 
     finally:
         stream.cancel()
     wait_for(lambda: replica_idle(rep))
-
