@@ -130,6 +130,22 @@ def abort_mid_stream(gen, rep, request_id: str, sampling) -> list:
     return rest
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): look at its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> None:
     """While a public stream with ``request_id`` is in flight, a ReplicaService call reusing the id
     fails INVALID_ARGUMENT naming ``request_id``; the stream is then cancelled and the replica drains."""

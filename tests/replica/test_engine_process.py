@@ -19,7 +19,7 @@ import redis
 from tests import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
-from tests.support import deltas_before_deadline, started_stream
+from tests.support import deltas_before_deadline, pid_alive, started_stream
 from tests.support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
@@ -42,19 +42,6 @@ NAMESPACE = "proc"
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0): look at its state.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
