@@ -67,8 +67,8 @@ from kvroute_tools.redis_server import RedisServer, free_port  # noqa: E402
 from kvroute_tools.supervise import wait_serving  # noqa: E402
 from replica.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from replica.engine.params import SamplingParams  # noqa: E402
+from replica.frontend import ReplicaFrontend  # noqa: E402
 from replica.server import build_engine  # noqa: E402
-from replica.service import ReplicaFrontend  # noqa: E402
 from replica.settings import ReplicaSettings  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)

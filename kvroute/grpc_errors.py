@@ -8,8 +8,12 @@ into ``context.abort(code, message)`` through a *classifier* the process supplie
 
 Cancellation (client cancel, deadline expiry) is never caught: ``asyncio.CancelledError`` passes
 through so that grpc reports CANCELLED / DEADLINE_EXCEEDED and the method's ``finally`` blocks
-release what the call held. Streaming methods close their inner generator explicitly
-(``aclosing``) so that cleanup runs at once, not when the garbage collector finds it.
+release what the call held. Streaming methods' generators are closed explicitly (``aclosing``)
+so that cleanup runs at once, not when the garbage collector finds it.
+
+The same mapping, as (status name, message), is what a call's metrics and spans record:
+:func:`call_outcome` (a cancelled handler reads as DEADLINE_EXCEEDED once the deadline has passed,
+else CANCELLED).
 
 Imports no replica or router code: each side passes its own classifier.
 """
@@ -48,12 +52,40 @@ def _status_of(exc: BaseException, classify: Classifier | None) -> tuple[grpc.St
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+def deadline_expired(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call's deadline has passed (False for a call without one)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+def call_outcome(
+    exc: BaseException, context: grpc.aio.ServicerContext, classify: Classifier | None = None
+) -> tuple[str, str]:
+    """(status name, message) of a call that ended with ``exc``, for its metrics and spans.
+
+    ``asyncio.CancelledError`` / ``GeneratorExit`` (the handler was cancelled, or abandoned
+    mid-stream): ``DEADLINE_EXCEEDED`` when the deadline has passed, else ``CANCELLED``. Otherwise
+    what :func:`error_boundary` makes of it: an :class:`RpcError`'s status, the classifier's, or
+    ``INTERNAL``.
+    """
+    if not isinstance(exc, Exception):
+        return ("DEADLINE_EXCEEDED", "deadline expired") if deadline_expired(context) else ("CANCELLED", "cancelled by the client")
+    if isinstance(exc, RpcError):
+        return exc.code.name, exc.message
+    mapped = classify(exc) if classify is not None else None
+    if mapped is None:
+        return "INTERNAL", f"{type(exc).__name__}: {exc}"
+    return mapped[0].name, mapped[1]
+
+
 def error_boundary(classify: Classifier | None = None) -> Callable:
-    """Decorator for ``async def method(self, request, context)`` servicer methods, coroutine or
-    async generator, that maps escaping exceptions to a status with ``classify``."""
+    """Decorator for servicer methods ``(self, request, context)`` that maps escaping exceptions
+    to a status with ``classify``: an ``async def`` coroutine (unary), an async generator, or a
+    plain ``def`` returning an async iterator (both server-streaming; the iterator is closed at
+    once when the call ends)."""
 
     def decorate(fn: Callable) -> Callable:
-        if inspect.isasyncgenfunction(fn):
+        if inspect.isasyncgenfunction(fn) or not inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def stream(self, request, context):
@@ -84,4 +116,4 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
     return decorate
 
 
-__all__ = ["Classifier", "RpcError", "error_boundary"]
+__all__ = ["Classifier", "RpcError", "call_outcome", "deadline_expired", "error_boundary"]

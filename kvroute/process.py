@@ -1,4 +1,9 @@
-"""Running a kvroute server process until SIGTERM / SIGINT (shared by replica and router mains)."""
+"""Running a kvroute server process until SIGTERM / SIGINT (shared by the replica and router mains).
+
+:class:`ServerMain` is a server process's two entry points, ``serve(settings)`` and ``main(argv)``;
+:func:`run_until_signal` and :func:`run_main` are what they run; :class:`BackgroundServer` runs a
+server on its own event-loop thread for synchronous callers.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvroute.telemetry import Telemetry, setup_telemetry
@@ -68,7 +74,6 @@ async def run_until_signal(
             telemetry.shutdown()
 
 
-
 def run_main(
     settings_cls: type,
     argv: Sequence[str] | None,
@@ -104,6 +109,45 @@ def run_main(
         log.error("%s failed: %s: %s", what, type(e).__name__, e)
         return 1
     return 0
+
+
+@dataclass(frozen=True)
+class ServerMain:
+    """One kind of server process's entry points (``serve`` and ``main``), from what differs
+    between kinds.
+
+    Attributes:
+        settings_cls: the settings dataclass (flags and ``KVROUTE_*`` variables; has ``metrics_port``).
+        make_server: ``(settings, telemetry) -> server`` (started and stopped by :meth:`serve`).
+        service_name: the telemetry service name (``kvroute-replica``).
+        prog, description: the default program name and the ``--help`` description.
+        what: the process kind named in the failure log line (``replica``).
+        check, plain_errors: as :func:`run_main` takes them.
+    """
+
+    settings_cls: type
+    make_server: Callable[[Any, Telemetry | None], Server]
+    service_name: str
+    prog: str
+    description: str
+    what: str
+    check: Callable[[Any], object] | None = None
+    plain_errors: tuple[type[BaseException], ...] = ()
+
+    async def serve(self, settings: Any, *, telemetry: Telemetry | None = None) -> None:
+        """Run the server until SIGTERM / SIGINT, then stop it gracefully (:func:`run_until_signal`)."""
+        await run_until_signal(
+            lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry
+        )
+
+    def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+        """``python -m <package>`` / ``kvroute <kind>``: flags (or ``KVROUTE_*``) -> settings ->
+        :meth:`serve`; returns the exit status (:func:`run_main`)."""
+        return run_main(
+            self.settings_cls, argv, prog or self.prog, self.description, self.serve, self.what,
+            check=self.check, plain_errors=self.plain_errors,
+        )
+
 
 class BackgroundServer:
     """A server on its own event-loop thread, for synchronous callers (tests, benchmarks, an

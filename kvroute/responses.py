@@ -1,4 +1,4 @@
-"""Helpers over GenerateResponse streams, shared by the replica service and the router proxy."""
+"""Helpers over GenerateResponse streams, shared by the replica frontend and the router proxy."""
 
 from __future__ import annotations
 

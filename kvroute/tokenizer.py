@@ -1,7 +1,8 @@
 """Text <-> token ids and chat-template rendering for a Hugging Face model folder.
 
-Deliberately free of torch (only ``tokenizers``, ``jinja2`` and ``json``): the router tokenizes
-prompts with exactly this logic, so that the token ids it hashes are the ids the replica computes.
+Deliberately free of torch (only ``tokenizers``, ``jinja2`` and ``json``): the router and the
+replica turn prompts into ids with it, through ``kvroute.prompt``, so that the token ids the router
+hashes are the ids the replica computes.
 
 Reference semantics are transformers v5's fast tokenizer (``TokenizersBackend``):
 

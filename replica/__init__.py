@@ -1,17 +1,23 @@
-"""One replica process per GPU: the engine, its gRPC service and its KV event publisher.
+"""One replica process per GPU: the engine, its gRPC services and its KV event publisher.
 
-Consumes: ``ReplicaService`` / ``GenerationService`` calls (token ids, text or chat).
-Produces: streamed generations; every engine step's KV events, a heartbeat with load and identity,
-and cache snapshots in Redis (DESIGN.md §3.3, §4); metrics and spans (§6).
+Job: serve generations from one model with a paged, prefix-cached KV cache, and tell the routers
+what that cache holds.
+Consumes: ``ReplicaService`` / ``GenerationService`` calls (token ids, text or chat; prompts become
+ids with ``kvroute.prompt``, as on the router); settings from flags and ``KVROUTE_*`` variables.
+Produces: streamed generations; every engine step's KV events, a heartbeat with load and identity
+(``kvroute.heartbeat``), and cache snapshots in Redis (DESIGN.md §3.3, §4); metrics and spans (§6).
 Guarantees: the engine step loop never blocks the gRPC server; bad input is INVALID_ARGUMENT
 naming the field before anything is allocated; a cancelled or expired call frees its blocks.
+May import: ``kvroute`` (the contract), torch and the other third-party libraries; never ``router``
+or ``kvroute_tools``.
 
-    server process                      engine process (engine/engine_proc.py, default)
-    gRPC (service.py) ──pipe──▶ ProcessLLMEngine ══▶ LLMEngine (engine/: scheduler, runner, model, kv/)
-                                                         │ step hook
-                                                         ▼
-                                                  KVEventPublisher (publisher.py) ──▶ Redis
+    server process                                         engine process (default)
+    servicers.py ─▶ frontend.py ─▶ engine/core_client.py ══pipe══▶ engine/core_proc.py ─▶ LLMEngine
+      (gRPC)        (admission,     (ProcessLLMEngine)              (step loop)        (engine/: scheduler,
+                     in-flight)                                          │ step hook     runner, model, kv/)
+    wire.py: statuses, proto <-> engine types                            ▼ (engine/step_hook.py)
+    server.py: lifecycle, health, RemotePublisher                  publisher/ ──▶ Redis
 
-``--engine-process false`` runs the step loop on a thread instead (AsyncLLMEngine): simpler, but
-the engine then shares the GIL with gRPC (12-14% slower at 32 streams, bench/replica.py).
+``--engine-process false`` runs the step loop on a thread of the server instead (AsyncLLMEngine):
+simpler, but the engine then shares the GIL with gRPC (bench/replica.py measures the difference).
 """

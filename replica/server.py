@@ -2,15 +2,17 @@
 
     start():  gRPC up (liveness SERVING, readiness NOT_SERVING)
               ─▶ engine_process (default): ProcessLLMEngine.start() spawns the engine process, which
-                   loads the model, warms up, starts the publisher and its step hook (ProcessStepHook)
+                   loads the model, warms up, starts the publisher and its step hook (ProcessStepHook);
+                   this process holds a RemotePublisher (its counters as the step reports show them)
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
     stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ grpc stop(grace)
               ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
 
-The engine process exists because a step of a small model is mostly Python: on a thread of this
-process it competes with gRPC for the GIL (see replica/engine/engine_proc.py and bench/replica.py).
+The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
+``redis_url``). The engine process exists because a step of a small model is mostly Python: on a
+thread of this process it competes with gRPC for the GIL (replica/engine/core_client.py).
 
 ``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m replica`` and ``kvroute replica``
 call :func:`main`. Tests and benchmarks use :class:`ReplicaServer` directly (``port=0`` binds a free
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import socket
 from collections.abc import Sequence
@@ -33,26 +34,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvroute.engine_info import EngineInfo
+from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
-from kvroute.process import BackgroundServer, run_main, run_until_signal
+from kvroute.heartbeat import EngineLoad
+from kvroute.process import BackgroundServer, ServerMain
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
-from replica.engine.engine_proc import EngineFacts, ProcessLLMEngine
-from replica.publisher import EventPublisher, make_publisher
-from replica.service import (
-    GenerationServicer,
-    ModelDescription,
-    ProcessStepHook,
-    RemotePublisher,
-    ReplicaFrontend,
-    ReplicaServicer,
-    service_names,
-)
+from replica.engine.core_client import ProcessLLMEngine
+from replica.engine.step_hook import ProcessStepHook, StepReport
+from replica.frontend import EngineClient, ReplicaFrontend
+from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
+from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
+from replica.wire import service_names
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +65,13 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def resolve_model_dir(settings: ReplicaSettings) -> tuple[Path, str]:
     """The model folder and its name: ``settings.model``, or the generated default model in
-    ``settings.model_cache_dir`` (default ``~/.cache/kvroute/models``), generated on first use."""
+    ``settings.model_cache_dir`` (:func:`kvroute.prompt.default_model_dir`), generated on first use."""
     if settings.model:
         path = Path(settings.model).expanduser()
         return path, path.name
-    from replica.model.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+    from replica.model.default_model import ensure_default_model
 
-    cache = Path(settings.model_cache_dir).expanduser() if settings.model_cache_dir else Path.home() / ".cache/kvroute/models"
-    return Path(ensure_default_model(cache / DEFAULT_MODEL_DIRNAME)), DEFAULT_MODEL_DIRNAME
+    return Path(ensure_default_model(default_model_dir(settings.model_cache_dir))), DEFAULT_MODEL_DIRNAME
 
 
 def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
@@ -108,12 +107,8 @@ def build_process_engine(settings: ReplicaSettings) -> Any:
 def make_process_step_hook(
     settings: ReplicaSettings, address: str, replica_id: str, model_name: str, engine: Any
 ) -> ProcessStepHook:
-    """The engine process's ``step_hook_factory``: starts the KV event publisher there (when
-    ``redis_url`` is set), so that events, snapshots and heartbeats leave from next to the engine.
-
-    """
-    if not settings.redis_url:
-        return ProcessStepHook()
+    """The engine process's ``step_hook_factory``: starts the KV event publisher there (the null
+    one without ``redis_url``), so that events, snapshots and heartbeats leave from next to the engine."""
     pub = _make_publisher(settings, engine, address, replica_id, model_name)
     pub.start()
     return ProcessStepHook(pub)
@@ -130,13 +125,42 @@ def _make_publisher(
     )
 
 
+class RemotePublisher(EventPublisher):
+    """The server process's view of the publisher in the engine process: its counters as of the
+    last step report (:meth:`update`, on the engine client's reader thread), ``request_snapshot``
+    forwarded to it. ``stats().last_seq`` may trail the real one by the steps still in the pipe,
+    which keeps RequestSnapshot's promise: the snapshot is valid at the returned seq or later."""
+
+    def __init__(self, engine: ProcessLLMEngine) -> None:
+        self._engine = engine
+        self._stats = PublisherStats()
+
+    def update(self, stats: PublisherStats) -> None:
+        self._stats = stats
+
+    def stats(self) -> PublisherStats:
+        return self._stats
+
+    def request_snapshot(self) -> None:
+        self._engine.run_in_hook(ProcessStepHook.request_snapshot)
+
+    def start(self) -> None:
+        """Nothing to do here: the engine process starts the publisher (``make_process_step_hook``)."""
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Nothing to do here: the engine process closes the publisher when it stops."""
+
+    def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
+        """Never called in this process: the engine's steps run in the engine process."""
+
+
 class ReplicaServer:
     """One replica's gRPC server over one engine (see the module docstring for the sequence).
 
     After ``await start()``: ``port`` (bound), ``address`` (advertised), ``replica_id``,
     ``engine`` (a ``ProcessLLMEngine`` with ``engine_process``, else an ``AsyncLLMEngine`` whose
-    ``.engine`` is the ``LLMEngine``), ``frontend``, ``publisher`` (or None; a ``RemotePublisher``
-    with ``engine_process``).
+    ``.engine`` is the ``LLMEngine``), ``frontend``, ``publisher`` (an ``EventPublisher``: a
+    :class:`RemotePublisher` with ``engine_process``, else the one ``make_publisher`` made).
     """
 
     def __init__(self, settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
@@ -145,8 +169,8 @@ class ReplicaServer:
         self.port: int | None = None
         self.address = ""
         self.replica_id = settings.replica_id
-        self.engine: Any = None
-        self.publisher: Any = None
+        self.engine: EngineClient | None = None
+        self.publisher: EventPublisher = NullEventPublisher()
         self.frontend: ReplicaFrontend | None = None
         self.model_name = ""
         self._server: grpc.aio.Server | None = None
@@ -185,7 +209,9 @@ class ReplicaServer:
         tracer = None
         if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
             tracer = self.telemetry.tracer("kvroute.replica")
-        self.frontend = frontend = ReplicaFrontend(replica_id=self.replica_id, max_waiting=s.max_waiting, tracer=tracer)
+        self.frontend = frontend = ReplicaFrontend(
+            replica_id=self.replica_id, max_waiting=s.max_waiting, publishing=bool(s.redis_url), tracer=tracer
+        )
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
         replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -198,9 +224,9 @@ class ReplicaServer:
         log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
         try:
             if s.engine_process:
-                facts = await self._start_engine_process(frontend)
+                info = await self._start_engine_process(frontend)
             else:
-                facts = await self._start_engine_thread(frontend)
+                info = await self._start_engine_thread(frontend)
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -209,7 +235,7 @@ class ReplicaServer:
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
             " hashing %s [%s], CPU decode attention %s",
-            self.replica_id, self.model_name, facts.num_blocks, facts.block_size, facts.max_model_len,
+            self.replica_id, self.model_name, info.num_blocks, info.block_size, info.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
             s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation,
             "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
@@ -217,43 +243,44 @@ class ReplicaServer:
 
     def _make_metrics(self, frontend: ReplicaFrontend) -> None:
         if self.telemetry is not None:
+            # A replica that does not publish exports no event counters (rather than zeros).
+            stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
             frontend.metrics = ReplicaMetrics(
-                self.telemetry.meter("kvroute.replica"), model=self.model_name,
-                sample=frontend.latest_sample, publisher=lambda: self.publisher,
+                self.telemetry.meter("kvroute.replica"), model=self.model_name, sample=frontend.latest_sample,
+                publisher=stats,
             )
 
-    async def _start_engine_process(self, frontend: ReplicaFrontend) -> EngineFacts:
+    async def _start_engine_process(self, frontend: ReplicaFrontend) -> EngineInfo:
         s = self.settings
         model_dir, self.model_name = await asyncio.to_thread(resolve_model_dir, s)  # generates the default model
         self._make_metrics(frontend)
+
+        def on_step_report(report: StepReport) -> None:  # the engine client's reader thread, once started
+            remote.update(report.publisher)
+            frontend.on_step_report(report)
+
         engine = ProcessLLMEngine(
-            functools.partial(build_process_engine, s), model_dir,
+            functools.partial(build_process_engine, s), model_dir, model=self.model_name,
             step_hook_factory=functools.partial(make_process_step_hook, s, self.address, self.replica_id, self.model_name),
-            on_step_report=frontend.on_step_report,
+            on_step_report=on_step_report,
         )
-        if s.redis_url:
-            self.publisher = frontend.publisher = RemotePublisher(engine)
+        self.publisher = remote = RemotePublisher(engine)
         self.engine = engine  # before it starts: stop() during the start ends the engine process
         await asyncio.to_thread(engine.start)
-        assert engine.facts is not None
-        frontend.attach(engine, ModelDescription.of(engine.facts, self.model_name), engine.tokenizer, self.publisher)
-        return engine.facts
+        assert engine.info is not None and engine.tokenizer is not None
+        frontend.attach(engine, engine.info, engine.tokenizer, remote)
+        return engine.info
 
-    async def _start_engine_thread(self, frontend: ReplicaFrontend) -> EngineFacts:
+    async def _start_engine_thread(self, frontend: ReplicaFrontend) -> EngineInfo:
         engine, self.model_name = await asyncio.to_thread(build_engine, self.settings)
         self._make_metrics(frontend)
-        if self.settings.redis_url:
-            pub = _make_publisher(self.settings, engine, self.address, self.replica_id, self.model_name)
-            started = pub.start()
-            if inspect.isawaitable(started):
-                await started
-            self.publisher = pub
-        frontend.publisher = self.publisher
+        self.publisher = _make_publisher(self.settings, engine, self.address, self.replica_id, self.model_name)
+        self.publisher.start()
         self.engine = AsyncLLMEngine(engine, step_hook=frontend.on_step)
+        info = engine.info(self.model_name)
+        frontend.attach(self.engine, info, engine.tokenizer, self.publisher)
         self.engine.start()
-        facts = EngineFacts.of(engine)
-        frontend.attach(self.engine, ModelDescription.of(facts, self.model_name), engine.tokenizer, self.publisher)
-        return facts
+        return info
 
     async def _watch_engine(self) -> None:
         """Liveness and readiness go NOT_SERVING when the step loop (or the engine process) dies:
@@ -290,10 +317,7 @@ class ReplicaServer:
                     await self._watchdog
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown, 2.0)
-            if self.publisher is not None:
-                closed = await asyncio.to_thread(self.publisher.close)
-                if inspect.isawaitable(closed):
-                    await closed
+            await asyncio.to_thread(self.publisher.close)
         finally:
             self._stopped.set()
             log.info("replica %s stopped", self.replica_id)
@@ -316,19 +340,13 @@ class BackgroundReplica(BackgroundServer):
         )
 
 
-async def serve(settings: ReplicaSettings, *, telemetry: Telemetry | None = None) -> None:
-    """Run a replica until SIGTERM / SIGINT, then stop it gracefully."""
-    await run_until_signal(
-        lambda t: ReplicaServer(settings, telemetry=t), "kvroute-replica", settings.metrics_port, telemetry
-    )
-
-
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``python -m replica`` / ``kvroute replica``: flags (or ``KVROUTE_*``) -> ReplicaSettings -> serve."""
-    return run_main(
-        ReplicaSettings, argv, prog or "python -m replica",
-        "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.", serve, "replica",
-    )
+_MAIN = ServerMain(
+    ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
+    "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
+    "replica",
+)
+serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
+main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``
 
 
 __all__ = [

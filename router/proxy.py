@@ -51,7 +51,8 @@ from typing import Any
 
 import grpc
 
-from kvroute.grpc_errors import RpcError, error_boundary
+from kvroute.grpc_errors import call_outcome, deadline_expired, error_boundary
+from kvroute.prompt import InvalidRequestError, PromptTokenizer
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -74,7 +75,6 @@ from router.telemetry import (
     CallSpans,
     RouterMetrics,
 )
-from router.tokenize import InvalidRequestError, PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class Proxy:
                     return
                 except grpc.aio.AioRpcError as e:
                     retry = (not started and e.code() in RETRYABLE_CODES and len(attempts) <= self.max_retries
-                             and not _expired(context))
+                             and not deadline_expired(context))
                     if not retry:
                         raise
                     log.info("replica %s (%s) failed before the first token (%s: %s); trying another",
@@ -325,7 +325,7 @@ class Proxy:
                     if call is not None and not call.done():
                         call.cancel()  # RST_STREAM: the replica aborts the request and frees its blocks
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is
-            error = _error_of(exc, context)
+            error = call_outcome(exc, context, classify_error)
             raise
         finally:
             # Metrics and spans after the call has ended: each instrument call costs ~10 us, and
@@ -434,23 +434,6 @@ class Proxy:
         await self.channels.close()
 
 
-def _expired(context: grpc.aio.ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0
-
-
-def _error_of(exc: BaseException, context: grpc.aio.ServicerContext) -> tuple[str, str]:
-    """(status name, message) an exception ends the call with, for metrics and spans."""
-    if isinstance(exc, RpcError):
-        return exc.code.name, exc.message
-    if isinstance(exc, BaseException) and not isinstance(exc, Exception):  # CancelledError, GeneratorExit
-        return ("DEADLINE_EXCEEDED", "deadline expired") if _expired(context) else ("CANCELLED", "cancelled")
-    status = classify_error(exc)
-    if status is None:
-        return "INTERNAL", f"{type(exc).__name__}: {exc}"
-    return status[0].name, status[1]
-
-
 # -- the servicers ----------------------------------------------------------------------------------
 class GenerationServicer(gen_grpc.GenerationServiceServicer):
     """``kvroute.v1.GenerationService`` on the router: routed to the replicas."""
@@ -463,12 +446,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         return await self._proxy.unary(request, context, method=f"{GENERATION_SERVICE}/Generate")
 
     @_boundary
-    async def GenerateStream(self, request, context):
-        async with contextlib.aclosing(
-            self._proxy.stream(request, context, method=f"{GENERATION_SERVICE}/GenerateStream")
-        ) as deltas:
-            async for d in deltas:
-                yield d
+    def GenerateStream(self, request, context):
+        return self._proxy.stream(request, context, method=f"{GENERATION_SERVICE}/GenerateStream")
 
     @_boundary
     async def GetModelInfo(self, request, context):

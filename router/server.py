@@ -19,7 +19,6 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -28,7 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
-from kvroute.process import BackgroundServer, run_main, run_until_signal
+from kvroute.process import BackgroundServer, ServerMain
+from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -43,7 +43,6 @@ from router.registry import ReplicaRegistry
 from router.scoring import Policy, make_policy
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
-from router.tokenize import PromptTokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -249,25 +248,18 @@ class BackgroundRouter(BackgroundServer):
         self._start(lambda: RouterServer(settings, telemetry=telemetry), "router-server", start)
 
 
-async def serve(settings: RouterSettings, *, telemetry: Telemetry | None = None) -> None:
-    """Run a router until SIGTERM / SIGINT, then stop it gracefully."""
-    await run_until_signal(
-        lambda t: RouterServer(settings, telemetry=t), "kvroute-router", settings.metrics_port, telemetry
-    )
-
-
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``python -m router`` / ``kvroute router``: flags (or ``KVROUTE_*``) -> RouterSettings -> serve."""
-    return run_main(
-        RouterSettings, argv, prog or "python -m router",
-        "A kvroute router: KV events in, prefix-aware routing decisions out, generation proxied.", serve, "router",
-        check=_check_settings, plain_errors=(ModelLoadError,),
-    )
-
-
 def _check_settings(settings: RouterSettings) -> None:
     """What the settings' parts check themselves, before anything starts. Raises ValueError."""
     settings.weights()
+
+
+_MAIN = ServerMain(
+    RouterSettings, lambda settings, telemetry: RouterServer(settings, telemetry=telemetry), "kvroute-router",
+    "python -m router", "A kvroute router: KV events in, prefix-aware routing decisions out, generation proxied.",
+    "router", check=_check_settings, plain_errors=(ModelLoadError,),
+)
+serve = _MAIN.serve  # serve(settings, *, telemetry=None): a router until SIGTERM / SIGINT, then stopped gracefully
+main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m router`` / ``kvroute router``
 
 
 __all__ = ["LIVENESS", "READINESS", "BackgroundRouter", "RouterServer", "main", "make_discovery", "serve"]

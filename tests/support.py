@@ -95,6 +95,61 @@ def make_cpu_engine(model_dir, *, num_blocks: int, block_size: int = 16, **overr
     return LLMEngine(model_dir, EngineConfig(**cfg))
 
 
+def started_stream(gen, request, n: int, timeout: float | None = None):
+    """``gen.GenerateStream(request, timeout=timeout)`` after its first ``n`` deltas, each of which
+    carried exactly one token (the call is then in flight on a replica)."""
+    stream = gen.GenerateStream(request, timeout=timeout)
+    got = [next(stream) for _ in range(n)]
+    assert all(len(d.token_ids) == 1 for d in got)
+    return stream
+
+
+def deltas_before_deadline(stream) -> int:
+    """Consume a server stream that must fail with DEADLINE_EXCEEDED; returns how many messages
+    arrived before it did."""
+    import grpc
+    import pytest
+
+    received = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            received += 1
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return received
+
+
+def abort_mid_stream(gen, rep, request_id: str, sampling) -> list:
+    """Start a public stream with ``request_id``, ``Abort`` it after its first delta (found), and
+    return the rest of the stream, which ends with FINISH_REASON_ABORT; a second ``Abort`` finds
+    nothing."""
+    from kvroute.v1 import generation_pb2 as gen_pb
+    from kvroute.v1 import replica_pb2 as rep_pb
+
+    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id=request_id, text="abort me", sampling=sampling))
+    next(stream)
+    assert rep.Abort(rep_pb.AbortRequest(request_id=request_id)).found
+    rest = list(stream)
+    assert rest[-1].finish_reason == gen_pb.FINISH_REASON_ABORT
+    assert not rep.Abort(rep_pb.AbortRequest(request_id=request_id)).found
+    return rest
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): look at its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def assert_duplicate_request_id_refused(gen, rep, request_id: str, sampling) -> None:
     """While a public stream with ``request_id`` is in flight, a ReplicaService call reusing the id
     fails INVALID_ARGUMENT naming ``request_id``; the stream is then cancelled and the replica drains."""

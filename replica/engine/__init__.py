@@ -11,6 +11,10 @@ preempted; every block is freed when a request finishes or is aborted.
     add_request ─▶ Scheduler ─▶ ModelRunner (model + attention backend) ─▶ Sampler ─▶ detokenizer/stop
                       │ KVCacheManager (replica.kv)
 
-May import: ``kvroute`` (hashing, events, engine_info, the prompt rules), ``replica.kv``,
-``replica.model``, ``replica.attention`` and torch; never ``router`` or the replica's gRPC layer.
+Where the step loop runs: ``async_engine`` (a thread of the server) or its own process, one file
+per side of the pipe: ``core_client`` (ProcessLLMEngine, what the server holds), ``core_proc`` (the
+loop in the engine process), ``core_messages`` (what crosses). ``step_hook`` is the hook's engine
+side (load sample, KV events to the publisher). May import ``kvroute``, ``replica.kv``,
+``replica.model``, ``replica.attention``, and (``step_hook`` only) ``replica.publisher`` and
+``replica.telemetry``; never ``router``.
 """

@@ -14,6 +14,8 @@ import torch
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher, BlockHashKeys
+from kvroute.prompt import InvalidRequestError as PromptError
+from kvroute.prompt import text_ids
 from replica.attention import kv_cache_block_bytes
 from replica.engine.config import EngineConfig, compute_num_blocks
 from replica.engine.detokenizer import IncrementalDetokenizer
@@ -49,7 +51,11 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """What the last step did, in tokens (the engine's step stats)."""
+    """What the last step scheduled, in tokens: the engine's own per-step stats (``last_step``).
+
+    Not the load sample (``replica.telemetry.EngineSample``: queues, KV usage, cumulative cache
+    counters after a step) nor the frontend's ``StepReport`` (``replica.engine.step_hook``).
+    """
 
     num_scheduled_tokens: int = 0
     num_prefill_tokens: int = 0  # scheduled tokens of requests still in their prompt
@@ -146,8 +152,16 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of a text prompt (the tokenizer's BOS rule applies)."""
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        """Token ids of a text prompt: :func:`kvroute.prompt.text_ids`, the router's and the
+        frontend's function (the tokenizer's BOS rule applies).
+
+        Raises:
+            InvalidRequestError: ``prompt`` when ``text`` is empty.
+        """
+        try:
+            return text_ids(self.tokenizer, text)
+        except PromptError as e:  # raised again as the engine's own type (an EngineError): same field, same words
+            raise InvalidRequestError(e.field, e.reason) from None
 
     def info(self, model: str) -> EngineInfo:
         """This engine's identity and limits, served under the name ``model``."""
@@ -171,12 +185,7 @@ class LLMEngine:
             InvalidRequestError: naming the field (prompt, prompt.token_ids, max_tokens, ...).
         """
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must contain at least one token")
-            token_ids = self.tokenize(prompt)
-        else:
-            token_ids = list(prompt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = dataclasses.replace(

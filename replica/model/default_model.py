@@ -28,8 +28,9 @@ from safetensors.torch import save as save_safetensors
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvroute.model_folder import ModelLoadError
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME as DEFAULT_MODEL_DIRNAME
 
-DEFAULT_MODEL_DIRNAME = "kvroute-tiny-llama"
+# DEFAULT_MODEL_DIRNAME is the contract's (kvroute.prompt): the router finds the default model by it.
 DEFAULT_SEED = 0
 
 BOS_TOKEN = "<|begin_of_text|>"

@@ -1,8 +1,8 @@
-"""The router tokenizes exactly as the replica does (router acceptance 5; router/tokenize.py, DESIGN.md §5).
+"""The router tokenizes exactly as the replica does (router acceptance 5; kvroute/prompt.py, DESIGN.md §5).
 
 For a corpus of chat bodies and text prompts, the router's token ids equal the ids the replica
-computes from the same request (its own ``prompt_of`` + ``ReplicaFrontend._tokens_of`` on its real
-engine and tokenizer), with BOS exactly once; and over the wire the router's answer equals the
+computes from the same request (its own ``ReplicaFrontend.prompt_ids`` + the engine's
+``make_request`` on its real engine and tokenizer), with BOS exactly once; and over the wire the router's answer equals the
 replica's. Then a conversation's second turn is scored with the real longest common prefix of the
 two turns' id sequences, in whole blocks, and the replica reports the cached tokens predicted.
 """
@@ -14,6 +14,8 @@ import pytest
 from tests.support import wait_for
 
 from kvroute.model_folder import ModelLoadError
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME as CONTRACT_DEFAULT_MODEL_DIRNAME
+from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -21,12 +23,9 @@ from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
 from replica.model.default_model import DEFAULT_MODEL_DIRNAME
 from replica.server import BackgroundReplica
-from replica.service import prompt_of
 from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
-from router.tokenize import DEFAULT_MODEL_DIRNAME as ROUTER_DEFAULT_MODEL_DIRNAME
-from router.tokenize import PromptTokenizer, resolve_model_dir
 
 B = 16
 T = 30.0
@@ -112,9 +111,9 @@ def tokenizer(default_model_dir) -> PromptTokenizer:
 
 def replica_ids(replica, request: gen_pb.GenerateRequest) -> list[int]:
     """The ids the replica computes for ``request``: the calls its GenerationService makes
-    (``prompt_of``, ``ReplicaFrontend._tokens_of``, then the engine's ``make_request``)."""
+    (``ReplicaFrontend.prompt_ids``, then the engine's ``make_request``)."""
     server = replica.server
-    prompt = server.frontend._tokens_of(prompt_of(request))
+    prompt = server.frontend.prompt_ids(request)
     return list(server.engine.make_request(prompt, None, None, None).prompt_token_ids)
 
 
@@ -154,7 +153,7 @@ def test_over_the_wire_the_router_answers_as_the_replica(router, replica):
 
 
 def test_default_model_folder_is_the_replicas_and_missing_means_pass_model(tmp_path, default_model_dir):
-    assert ROUTER_DEFAULT_MODEL_DIRNAME == DEFAULT_MODEL_DIRNAME
+    assert CONTRACT_DEFAULT_MODEL_DIRNAME == DEFAULT_MODEL_DIRNAME
     assert resolve_model_dir("", str(default_model_dir.parent)) == default_model_dir
     assert resolve_model_dir(str(default_model_dir)) == default_model_dir
     with pytest.raises(ModelLoadError, match="--model"):

@@ -18,7 +18,8 @@ import pytest
 import redis
 from tests import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests.support import assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import deltas_before_deadline, pid_alive, started_stream
 from tests.support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
@@ -31,7 +32,7 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.async_engine import EngineDeadError
-from replica.engine.engine_proc import ProcessLLMEngine
+from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica, build_process_engine, resolve_model_dir
 from replica.settings import ReplicaSettings
@@ -41,19 +42,6 @@ NAMESPACE = "proc"
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0): look at its state.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
@@ -132,8 +120,8 @@ def test_model_info_comes_from_the_engine_process(gen, rep, replica, settings):
     assert info == rep.GetModelInfo(gen_pb.GetModelInfoRequest())
     assert (info.model, info.block_size, info.hash_algorithm) == ("kvroute-tiny-llama", BLOCK, "sha256_cbor")
     assert info.hash_seed_digest == hasher.seed_digest
-    assert info.max_model_len == replica.server.engine.facts.max_model_len > 0
-    assert list(info.eos_token_ids) == list(replica.server.engine.facts.eos_token_ids)
+    assert info.max_model_len == replica.server.engine.info.max_model_len > 0
+    assert list(info.eos_token_ids) == list(replica.server.engine.info.eos_token_ids)
     load = rep.GetLoad(rep_pb.GetLoadRequest())
     assert load.replica_id == "proc-replica" and load.num_blocks == 128
 
@@ -194,9 +182,7 @@ def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
 
 # -- cancellation and Abort free the blocks in the engine process ---------------------------------------
 def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG))
-    got = [next(stream) for _ in range(5)]
-    assert all(len(d.token_ids) == 1 for d in got)
+    stream = started_stream(gen, gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG), 5)
     busy = wait_for(lambda: (load := rep.GetLoad(rep_pb.GetLoadRequest())).running == 1 and load)
     assert busy.kv_usage > 0 and busy.free_blocks < 127
     stream.cancel()
@@ -207,20 +193,12 @@ def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
 
 def test_deadline_expiry_mid_stream_is_deadline_exceeded_and_frees_every_block(gen, rep):
     stream = gen.GenerateStream(gen_pb.GenerateRequest(text="too slow " * 20, sampling=GREEDY_LONG), timeout=0.8)
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deltas_before_deadline(stream)
     wait_for(lambda: idle(rep))
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(gen, rep):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id="abort-p", text="abort me", sampling=GREEDY_LONG))
-    next(stream)
-    assert rep.Abort(rep_pb.AbortRequest(request_id="abort-p")).found
-    rest = list(stream)
-    assert rest[-1].finish_reason == gen_pb.FINISH_REASON_ABORT
-    assert not rep.Abort(rep_pb.AbortRequest(request_id="abort-p")).found
+    abort_mid_stream(gen, rep, "abort-p", GREEDY_LONG)
     wait_for(lambda: idle(rep))
 
 
@@ -240,10 +218,10 @@ def _stream_events(r: redis.Redis) -> list:
 
 def test_heartbeat_carries_the_identity_and_the_load(replica, r):
     hb = wait_for(lambda: r.hgetall(RedisLayout(NAMESPACE).heartbeat_key("proc-replica")))
-    facts = replica.server.engine.facts
+    info = replica.server.engine.info
     assert hb[b"address"].decode() == replica.server.address
-    assert hb[b"hash_seed_digest"].decode() == facts.hash_seed_digest
-    assert int(hb[b"num_blocks"]) == facts.num_blocks == 128
+    assert hb[b"hash_seed_digest"].decode() == info.hash_seed_digest
+    assert int(hb[b"num_blocks"]) == info.num_blocks == 128
     assert hb[b"model"] == b"kvroute-tiny-llama"
     assert int(hb[b"free_blocks"]) <= 127
 
@@ -263,8 +241,8 @@ def test_request_blocks_reach_redis_as_block_stored_after_the_epoch_clear(replic
     assert [seq for seq, _ in batches] == list(range(1, len(batches) + 1))
     # The server sees the publisher's counters through the step reports.
     pub = replica.server.publisher
-    wait_for(lambda: pub.batches_published >= len(batches) and pub.events_published >= 3)
-    assert pub.batches_dropped == 0 and pub.connected
+    wait_for(lambda: pub.stats().batches_published >= len(batches) and pub.stats().events_published >= 3)
+    assert pub.stats().batches_dropped == 0 and pub.stats().connected
 
 
 def test_request_snapshot_rpc_reaches_the_publisher_in_the_engine_process(rep, r):
@@ -345,9 +323,14 @@ def raise_value_error(engine) -> None:
     raise ValueError("from the engine process")
 
 
+def process_engine(models, **settings) -> ProcessLLMEngine:
+    """A ProcessLLMEngine of the default model in ``models`` (64 blocks, one torch thread), not started."""
+    s = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1, **settings)
+    return ProcessLLMEngine(functools.partial(build_process_engine, s), resolve_model_dir(s)[0])
+
+
 def test_call_runs_picklable_functions_in_the_engine_process_and_refuses_lambdas(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models)
     engine.start()
     try:
         async def run() -> None:
@@ -369,8 +352,7 @@ def test_call_runs_picklable_functions_in_the_engine_process_and_refuses_lambdas
 
 
 def test_startup_error_in_the_engine_process_is_raised_by_start(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1, max_model_len=10**7)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models, max_model_len=10**7)
     with pytest.raises(ValueError, match="^max_model_len: "):
         engine.start()
     assert not pid_alive(engine.pid)
@@ -386,8 +368,7 @@ def test_missing_model_folder_fails_start_with_model_load_error(tmp_path):
 
 
 def test_streams_end_with_engine_dead_error_when_the_process_dies(models):
-    settings = ReplicaSettings(model_cache_dir=models, num_blocks=64, torch_threads=1)
-    engine = ProcessLLMEngine(functools.partial(build_process_engine, settings), resolve_model_dir(settings)[0])
+    engine = process_engine(models)
     engine.start()
     try:
         async def run() -> None:

@@ -10,14 +10,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from tests.support import assert_duplicate_request_id_refused, concurrent_stream_outcomes, wait_for
+from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
+from tests.support import deltas_before_deadline, started_stream, wait_for
 from tests.support import replica_idle as idle
 
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica
-from replica.service import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
+from replica.wire import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
 from replica.settings import ReplicaSettings
 
 BLOCK = 16
@@ -207,15 +208,20 @@ def test_replica_service_rejects_bad_token_ids_naming_the_field(rep, model_info)
     assert err.value.details().startswith("prompt: ")
 
 
+def test_request_snapshot_without_redis_is_failed_precondition_naming_redis_url(rep):
+    with pytest.raises(grpc.RpcError) as err:
+        rep.RequestSnapshot(rep_pb.RequestSnapshotRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details().startswith("redis_url: ")
+
+
 def test_duplicate_in_flight_request_id_is_invalid_argument(gen, rep):
     assert_duplicate_request_id_refused(gen, rep, "dup-1", GREEDY_LONG)
 
 
 # -- cancellation, deadlines, Abort: every block comes back ---------------------------------------------
 def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG))
-    got = [next(stream) for _ in range(5)]
-    assert all(len(d.token_ids) == 1 for d in got)
+    stream = started_stream(gen, gen_pb.GenerateRequest(text="cancel me " * 20, sampling=GREEDY_LONG), 5)
     assert rep.GetLoad(rep_pb.GetLoadRequest()).running == 1
     stream.cancel()
     wait_for(lambda: idle(rep))
@@ -226,11 +232,7 @@ def test_client_cancel_mid_stream_frees_every_block(gen, rep, replica):
 
 def test_deadline_expiry_mid_stream_is_deadline_exceeded_and_frees_every_block(gen, rep, replica):
     stream = gen.GenerateStream(gen_pb.GenerateRequest(text="too slow " * 20, sampling=GREEDY_LONG), timeout=0.8)
-    received = 0
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            received += 1
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    received = deltas_before_deadline(stream)
     assert 0 < received < 3000
     wait_for(lambda: idle(rep))
     eng = replica.server.engine.engine
@@ -238,13 +240,8 @@ def test_deadline_expiry_mid_stream_is_deadline_exceeded_and_frees_every_block(g
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort_and_is_idempotent(gen, rep):
-    stream = gen.GenerateStream(gen_pb.GenerateRequest(request_id="abort-me", text="abort me", sampling=GREEDY_LONG))
-    next(stream)
-    assert rep.Abort(rep_pb.AbortRequest(request_id="abort-me")).found
-    rest = list(stream)
-    assert rest[-1].finish_reason == gen_pb.FINISH_REASON_ABORT
+    rest = abort_mid_stream(gen, rep, "abort-me", GREEDY_LONG)
     assert rest[-1].usage.completion_tokens >= 1
-    assert not rep.Abort(rep_pb.AbortRequest(request_id="abort-me")).found
     assert not rep.Abort(rep_pb.AbortRequest(request_id="never-existed")).found
     wait_for(lambda: idle(rep))
 

@@ -104,6 +104,11 @@ def test_prometheus_endpoint_shows_the_design_names_with_the_workload_values(sta
         assert total(m, f"{name}_count", gen_ai_request_model="kvroute-tiny-llama", error_type=None) == 2, name
 
 
+def test_a_replica_without_redis_exports_no_event_counters(stack):
+    m = scrape(stack["telemetry"].metrics_port)
+    assert not [name for name in m if name.startswith("kvroute_replica_events_")]
+
+
 def test_genai_histograms_use_the_semantic_convention_buckets(stack):
     m = scrape(stack["telemetry"].metrics_port)
     for name, buckets in (("gen_ai_server_time_to_first_token_seconds", TTFT_BUCKETS),
