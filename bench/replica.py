@@ -9,7 +9,7 @@ lengths uniform in [max_tokens/2, 3*max_tokens/2] so that the streams do not run
 the default model, greedy, ``ignore_eos``:
 
 - **in-process**: ``AsyncLLMEngine.generate`` called directly in this process, with the replica's
-  step hook (``ReplicaFrontend.on_step``) feeding a ``KVEventPublisher`` -- the same per-step work
+  step hook (``ReplicaFrontend.on_step``) feeding a ``RedisEventPublisher`` -- the same per-step work
   as the server minus gRPC;
 - **gRPC**: ``python -m replica`` in a child process with the same settings (``engine_process``
   on: the engine in its own process, ``ProcessLLMEngine``), driven through

@@ -21,7 +21,7 @@ May import: ``kvroute`` (the contract) and third-party libraries; never ``replic
 
 Modules: ``index`` (pure data structure), ``registry`` (replica states, no I/O), ``consumer``
 (the Redis I/O thread), ``consumer_feed`` (what it read, through kvroute.ordering into the index;
-no I/O), ``discovery`` (static / redis / kubernetes), ``tokenize`` (text / chat -> token ids, as
+no I/O), ``discovery`` (static / redis / kubernetes), prompts -> token ids through ``kvroute.prompt`` (as
 the replicas do), ``scoring`` (cost model), ``load`` (in-flight accounting), ``core`` (hash +
 lookup + score + pick), ``proxy`` / ``server`` (gRPC), ``settings``, ``telemetry``.
 """

@@ -1,24 +1,19 @@
 """The replica's event-publisher interface, its counters, and the implementation that publishes nothing.
 
-The engine's step hook hands every step's KV events and load to one :class:`EventPublisher`
-(:meth:`EventPublisher.on_engine_step` reads them off an ``LLMEngine``, emptying its event list
-whichever publisher it is); the replica picks the implementation once at start (:func:`replica.publisher.make_publisher`): Redis
-when a URL is configured, :class:`NullEventPublisher` otherwise. Callers never check for "no
-publisher".
+The engine's step hook (replica.engine.step_hook) hands every step's KV events and load to one
+:class:`EventPublisher`; the replica picks the implementation once at start
+(:func:`replica.publisher.make_publisher`): Redis when a URL is configured,
+:class:`NullEventPublisher` otherwise. Callers never check for "no publisher".
 """
 
 from __future__ import annotations
 
 import abc
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvroute.events import KVCacheEvent
 from kvroute.heartbeat import EngineLoad
-
-log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Mapping[str, Sequence[int]]]
 """Returns the replica's cached event hashes per medium (``KVCacheManager.cached_event_hashes``)."""
@@ -61,21 +56,6 @@ class EventPublisher(abc.ABC):
     @abc.abstractmethod
     def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
         """Queue one engine step's events (possibly none) and its load."""
-
-    def on_engine_step(self, engine: Any) -> None:
-        """The ``AsyncLLMEngine`` step hook: take an ``LLMEngine``'s step events (emptying its
-        event list) and load, and hand them to :meth:`on_step`. Never raises into the engine."""
-        try:
-            kv = engine.kv
-            load = EngineLoad(
-                free_blocks=kv.num_free_blocks, running=engine.num_running, waiting=engine.num_waiting,
-                usage=engine.usage, queued_prefill_tokens=engine.scheduler.queued_prefill_tokens,
-            )
-            events = engine.take_kv_events()
-        except Exception:  # noqa: BLE001 - never raise into the engine
-            log.exception("kv publisher: reading the engine failed")
-            return
-        self.on_step(events, load, kv.cached_event_hashes)
 
     @abc.abstractmethod
     def request_snapshot(self) -> None:

@@ -21,6 +21,7 @@ from kvroute.heartbeat import FIELDS, EngineLoad, Heartbeat
 from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
+from replica.engine.step_hook import take_step_sample
 from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
 from tests import support
 from tests.support import read_entries, read_snapshot, replay, wait_for
@@ -166,19 +167,21 @@ def test_on_step_never_raises_into_the_engine(server, layout):
 
         pub.on_step([BlockStored((1,), None, (), 16)], LOAD, broken_snapshot)  # must not raise
         pub.on_step(["not an event"], LOAD, dict)  # encoding fails: logged, not raised
-        pub.on_engine_step(object())  # not an engine at all
     finally:
         pub.close()
 
 
 class StubEngine:
-    """What the step hook reads of an ``LLMEngine``: the KV manager, the queue lengths, the events."""
+    """What the step hook (replica.engine.step_hook) reads of an ``LLMEngine``: the KV manager and
+    its stats, the scheduler's queues, the events."""
 
     def __init__(self, events: list):
         self.events = events
-        self.kv = SimpleNamespace(num_free_blocks=40, cached_event_hashes=dict)
-        self.num_running, self.num_waiting, self.usage = 2, 1, 0.375
-        self.scheduler = SimpleNamespace(queued_prefill_tokens=96)
+        self.kv = SimpleNamespace(num_free_blocks=40, num_blocks=64, usage=0.375, cached_event_hashes=dict,
+                                  stats=SimpleNamespace(queries=0, hits=0, cpu_hits=0))
+        self.scheduler = SimpleNamespace(running=[object(), object()], waiting=[object()], queued_prefill_tokens=96,
+                                         num_preemptions=0)
+        self.num_steps = 0
 
     def take_kv_events(self) -> list:
         events, self.events = self.events, []
@@ -193,12 +196,12 @@ def test_the_step_hook_takes_the_engine_events_and_load_even_when_nothing_is_pub
             seen.append((list(events), load))
 
     engine = StubEngine([BlockStored((1,), None, (), 16)])
-    Recording().on_engine_step(engine)
+    take_step_sample(engine, Recording())
     assert seen == [([BlockStored((1,), None, (), 16)], LOAD)] and engine.events == []
     engine.events = [BlockStored((2,), None, (), 16)]
     null = NullEventPublisher()
     null.start()
-    null.on_engine_step(engine)  # emptied and dropped: the engine's list never grows
+    take_step_sample(engine, null)  # emptied and dropped: the engine's list never grows
     assert engine.events == [] and null.stats() == PublisherStats()
     null.close()
 
