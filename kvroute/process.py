@@ -111,6 +111,37 @@ def run_main(
     return 0
 
 
+def dial_target(host: str, port: int | None) -> str:
+    """``host:port`` to dial on this machine for a server bound to ``host`` (a wildcard or empty
+    bind address is dialled as 127.0.0.1)."""
+    return f"{host if host not in ('0.0.0.0', '::', '') else '127.0.0.1'}:{port}"
+
+
+class StopOnce:
+    """Makes a server's ``stop`` idempotent: the first caller of :meth:`begin` runs the stop
+    sequence and calls :meth:`end` in its ``finally``; later callers of :meth:`begin` wait for that
+    stop to finish. ``stopping`` is true from the first :meth:`begin` on."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._stopped = asyncio.Event()
+
+    async def begin(self) -> bool:
+        """True for the caller that must run the stop; False (once it has finished) for the others."""
+        if self.stopping:
+            await self._stopped.wait()
+            return False
+        self.stopping = True
+        return True
+
+    def end(self) -> None:
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        """Until the stop has finished."""
+        await self._stopped.wait()
+
+
 @dataclass(frozen=True)
 class ServerMain:
     """One kind of server process's entry points (``serve`` and ``main``), from what differs

@@ -38,7 +38,7 @@ from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
-from kvroute.process import BackgroundServer, ServerMain
+from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
@@ -176,14 +176,12 @@ class ReplicaServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._watchdog: asyncio.Task | None = None
-        self._stopped = asyncio.Event()
-        self._stopping = False
+        self._stop = StopOnce()
 
     @property
     def target(self) -> str:
         """``host:port`` to dial on this machine."""
-        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"{host}:{self.port}"
+        return dial_target(self.settings.host, self.port)
 
     async def _set_all(self, status: int) -> None:
         for name in ("", READINESS, *service_names()):
@@ -287,7 +285,7 @@ class ReplicaServer:
         the orchestrator restarts us."""
         while self.engine is not None and self.engine.dead is None:
             await asyncio.sleep(0.5)
-        if self.engine is not None and not self._stopping:
+        if self.engine is not None and not self._stop.stopping:
             log.error("engine step loop died (%r); reporting NOT_SERVING", self.engine.dead)
             await self._set_all(_NOT_SERVING)
             await self._health.set(LIVENESS, _NOT_SERVING)
@@ -299,10 +297,8 @@ class ReplicaServer:
         The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
         that never end on their own (health ``Watch`` streams), which are cancelled after it.
         """
-        if self._stopping:
-            await self._stopped.wait()
+        if not await self._stop.begin():
             return
-        self._stopping = True
         try:
             await self._health.enter_graceful_shutdown()
             if self.frontend is not None:
@@ -319,11 +315,11 @@ class ReplicaServer:
                 await asyncio.to_thread(self.engine.shutdown, 2.0)
             await asyncio.to_thread(self.publisher.close)
         finally:
-            self._stopped.set()
+            self._stop.end()
             log.info("replica %s stopped", self.replica_id)
 
     async def wait_for_termination(self) -> None:
-        await self._stopped.wait()
+        await self._stop.wait()
 
 
 class BackgroundReplica(BackgroundServer):

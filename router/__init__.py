@@ -23,5 +23,5 @@ Modules: ``index`` (pure data structure), ``registry`` (replica states, no I/O),
 (the Redis I/O thread), ``consumer_feed`` (what it read, through kvroute.ordering into the index;
 no I/O), ``discovery`` (static / redis / kubernetes), prompts -> token ids through ``kvroute.prompt`` (as
 the replicas do), ``scoring`` (cost model), ``load`` (in-flight accounting), ``core`` (hash +
-lookup + score + pick), ``proxy`` / ``server`` (gRPC), ``settings``, ``telemetry``.
+lookup + score + pick), ``proxy`` (the request path), ``channels`` (replica channels), ``servicers`` / ``server`` (gRPC), ``settings``, ``telemetry``.
 """

@@ -1,5 +1,6 @@
-"""The router's gRPC servicers: the public GenerationService proxied to replicas, and RouterService
-(DESIGN.md §3.3, §5).
+"""The router's request path: the public GenerationService's calls proxied to replicas, and what
+RouterService answers (DESIGN.md §3.3, §5). The servicers that expose it are in router.servicers;
+the replica channels in router.channels.
 
 One request through ``GenerationService.GenerateStream`` (``Generate`` is the same, concatenated)::
 
@@ -41,26 +42,22 @@ generator chain (no ``aclosing`` / ``error_boundary``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 
-from kvroute.grpc_errors import call_outcome, deadline_expired, error_boundary
+from kvroute.grpc_errors import call_outcome, deadline_expired
 from kvroute.prompt import InvalidRequestError, PromptTokenizer
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
-from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
-from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
-from kvroute.v1 import router_pb2_grpc as router_grpc
+from router.channels import ReplicaChannels
 from router.core import Decision, Router
 from router.load import Ticket
 from router.scoring import POLICY_NAMES, Policy
@@ -91,17 +88,6 @@ _UNFINISHED = gen_pb.FINISH_REASON_UNSPECIFIED
 _MODEL_INFO_TIMEOUT_S = 2.0
 _PRUNE_EVERY_S = 60.0
 
-# Reconnect quickly to a replica that was down (the default backoff starts at 1 s and grows to
-# 120 s, which would keep a restarted replica unused long after its heartbeat is back).
-CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-)
-
-
 class NoReplicaError(Exception):
     """No replica can take the request (the message says why): UNAVAILABLE."""
 
@@ -115,73 +101,6 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, grpc.aio.AioRpcError):  # the replica's status, unchanged
         return exc.code(), exc.details() or ""
     return None
-
-
-_boundary = error_boundary(classify_error)
-
-
-class ReplicaChannels:
-    """One ``grpc.aio`` channel (and ReplicaService stub) per replica address, made on first use.
-    Event loop only.
-
-    Channels reconnect on their own, so a replica that restarts at the same address keeps its
-    channel. ``prune`` closes the channels of addresses no replica advertises any more that have
-    not been used for ``idle_s`` seconds (pods come and go in Kubernetes; their channels must not
-    pile up), never one with a call in flight.
-    """
-
-    def __init__(self, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS, idle_s: float = 300.0):
-        self._options = list(options)
-        self.idle_s = idle_s
-        self._entries: dict[str, _Channel] = {}
-        self._closing: set[asyncio.Task] = set()
-
-    def stub(self, address: str) -> rep_grpc.ReplicaServiceStub:
-        entry = self._entries.get(address)
-        if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
-            entry = self._entries[address] = _Channel(channel, rep_grpc.ReplicaServiceStub(channel))
-        entry.last_used = time.monotonic()
-        return entry.stub
-
-    @contextlib.contextmanager
-    def in_flight(self, address: str) -> Iterator[rep_grpc.ReplicaServiceStub]:
-        """The stub of ``address``, counted as in use until the block ends."""
-        stub = self.stub(address)
-        entry = self._entries[address]
-        entry.calls += 1
-        try:
-            yield stub
-        finally:
-            entry.calls -= 1
-            entry.last_used = time.monotonic()
-
-    def prune(self, keep: Collection[str]) -> int:
-        """Close idle channels of addresses not in ``keep``; returns how many."""
-        now = time.monotonic()
-        stale = [a for a, e in self._entries.items()
-                 if a not in keep and not e.calls and now - e.last_used >= self.idle_s]
-        for address in stale:
-            task = asyncio.get_running_loop().create_task(self._entries.pop(address).channel.close(grace=None))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-        return len(stale)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    async def close(self) -> None:
-        entries, self._entries = self._entries, {}
-        for e in entries.values():
-            await e.channel.close(grace=None)
-
-
-@dataclass(eq=False)
-class _Channel:
-    channel: grpc.aio.Channel
-    stub: rep_grpc.ReplicaServiceStub
-    calls: int = 0
-    last_used: float = 0.0
 
 
 class Proxy:
@@ -434,56 +353,4 @@ class Proxy:
         await self.channels.close()
 
 
-# -- the servicers ----------------------------------------------------------------------------------
-class GenerationServicer(gen_grpc.GenerationServiceServicer):
-    """``kvroute.v1.GenerationService`` on the router: routed to the replicas."""
-
-    def __init__(self, proxy: Proxy) -> None:
-        self._proxy = proxy
-
-    @_boundary
-    async def Generate(self, request, context):
-        return await self._proxy.unary(request, context, method=f"{GENERATION_SERVICE}/Generate")
-
-    @_boundary
-    def GenerateStream(self, request, context):
-        return self._proxy.stream(request, context, method=f"{GENERATION_SERVICE}/GenerateStream")
-
-    @_boundary
-    async def GetModelInfo(self, request, context):
-        return await self._proxy.model_info()
-
-
-class RouterServicer(router_grpc.RouterServiceServicer):
-    """``kvroute.v1.RouterService``: ``Score`` (the decision as data) and ``SetPolicy``."""
-
-    def __init__(self, proxy: Proxy) -> None:
-        self._proxy = proxy
-
-    @_boundary
-    async def Score(self, request, context):
-        return self._proxy.score(request)
-
-    @_boundary
-    async def SetPolicy(self, request, context):
-        return router_pb.SetPolicyResponse(policy=self._proxy.set_policy(request.policy))
-
-
-def service_names() -> Sequence[str]:
-    """Full names of the services the router serves (health statuses, reflection)."""
-    return (GENERATION_SERVICE, ROUTER_SERVICE)
-
-
-__all__ = [
-    "GENERATION_SERVICE",
-    "MD_PREDICTED",
-    "MD_REPLICA",
-    "ROUTER_SERVICE",
-    "GenerationServicer",
-    "NoReplicaError",
-    "Proxy",
-    "ReplicaChannels",
-    "RouterServicer",
-    "classify_error",
-    "service_names",
-]
+__all__ = ["GENERATION_SERVICE", "MD_PREDICTED", "MD_REPLICA", "ROUTER_SERVICE", "NoReplicaError", "Proxy", "classify_error"]

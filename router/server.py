@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
-from kvroute.process import BackgroundServer, ServerMain
+from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
@@ -38,9 +38,10 @@ from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
 from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
-from router.proxy import GenerationServicer, Proxy, RouterServicer, service_names
+from router.proxy import Proxy
 from router.registry import ReplicaRegistry
 from router.scoring import Policy, make_policy
+from router.servicers import GenerationServicer, RouterServicer, service_names
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
 
@@ -100,14 +101,12 @@ class RouterServer:
         self._ready_task: asyncio.Task | None = None
         self._threads: list[Any] = []  # started parts with a stop(): consumer, discovery, load sync
         self._ready = asyncio.Event()
-        self._stopped = asyncio.Event()
-        self._stopping = False
+        self._stop = StopOnce()
 
     @property
     def target(self) -> str:
         """``host:port`` to dial on this machine."""
-        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"{host}:{self.port}"
+        return dial_target(self.settings.host, self.port)
 
     def policy(self, name: str) -> Policy:
         """A fresh policy of that name with this router's weights and seed."""
@@ -184,9 +183,9 @@ class RouterServer:
 
     async def _become_ready(self) -> None:
         assert self.consumer is not None
-        while not self._stopping and not await asyncio.to_thread(self.consumer.wait_ready, _READY_POLL_S):
+        while not self._stop.stopping and not await asyncio.to_thread(self.consumer.wait_ready, _READY_POLL_S):
             pass
-        if self._stopping:
+        if self._stop.stopping:
             return
         await self._set_all(_SERVING)
         self._ready.set()
@@ -205,10 +204,8 @@ class RouterServer:
         """NOT_SERVING everywhere, stop gRPC within ``grace`` seconds (calls still running then are
         cancelled, and with them their upstream calls), close the replica channels, stop the
         threads. Idempotent."""
-        if self._stopping:
-            await self._stopped.wait()
+        if not await self._stop.begin():
             return
-        self._stopping = True
         try:
             await self._health.enter_graceful_shutdown()
             if self._server is not None:
@@ -221,12 +218,12 @@ class RouterServer:
             for part in reversed(self._threads):
                 await asyncio.to_thread(part.stop)
         finally:
-            self._stopped.set()
+            self._stop.end()
             if self.port is not None:
                 log.info("router %s stopped", self.router_id)
 
     async def wait_for_termination(self) -> None:
-        await self._stopped.wait()
+        await self._stop.wait()
 
 
 class BackgroundRouter(BackgroundServer):

@@ -1,7 +1,7 @@
 """EventConsumer following the event streams through faults, against a real redis-server and real
 RedisEventPublishers (router/consumer.py, router/consumer_feed.py, DESIGN.md §4, §5).
 
-Each replica here is a tests.support.FakeReplica: a RedisEventPublisher driven directly (no
+Each replica here is a tests.support_redis.FakeReplica: a RedisEventPublisher driven directly (no
 engine) with random BlockStored / BlockRemoved events, and a ReplicaCacheState fed the same events
 as the truth. After every fault the index must equal, per replica and per medium, the truth's
 multiset of hashes within 2 s; the wait calls each replica's idle step hook, as an idle engine does
@@ -20,8 +20,9 @@ from kvroute.redis_layout import F_SEQ, RedisLayout
 from replica.publisher import RedisEventPublisher
 from router.consumer import EventConsumer
 from router.registry import ReplicaRegistry
-from tests import support
-from tests.support import (
+from tests import support_redis
+from tests.support import wait_for
+from tests.support_redis import (
     FAKE_LOAD_FIELDS,
     SYNC_TIMEOUT,
     FakeReplica,
@@ -30,17 +31,16 @@ from tests.support import (
     read_snapshot,
     replica_entries,
     running_consumer,
-    wait_for,
     wait_synced,
 )
 
 LOAD = EngineLoad(**FAKE_LOAD_FIELDS)  # what FakeReplica reports
 
 # The shared fixtures (tests.support), under the names the tests take.
-server = support.redis_server
-layout = support.redis_layout
-r = support.redis_client
-fake_replicas = support.fake_replicas
+server = support_redis.redis_server
+layout = support_redis.redis_layout
+r = support_redis.redis_client
+fake_replicas = support_redis.fake_replicas
 
 
 # -- following the streams -----------------------------------------------------------------------------------

@@ -1,23 +1,24 @@
 """EventConsumer through restarts (router, replica, Redis), heartbeat expiry, incompatible replicas
 and discovery, against a real redis-server and real RedisEventPublishers (router/consumer.py,
 router/consumer_feed.py, DESIGN.md §4, §5). The replicas and the sync check are those of
-test_router_consumer.py (tests.support.FakeReplica, wait_synced).
+test_router_consumer.py (tests.support_redis.FakeReplica, wait_synced).
 """
 
 from __future__ import annotations
 
 from kvroute.hashing import BlockHasher
 from router.registry import ReplicaRegistry
-from tests import support
-from tests.support import SYNC_TIMEOUT, replica_entries, running_consumer, wait_for, wait_synced
+from tests import support_redis
+from tests.support import wait_for
+from tests.support_redis import SYNC_TIMEOUT, replica_entries, running_consumer, wait_synced
 
 ROUTER_IDENTITY = BlockHasher().identity  # ("sha256_cbor", seed digest, 16)
 
 # The shared fixtures (tests.support), under the names the tests take.
-server = support.redis_server
-layout = support.redis_layout
-r = support.redis_client
-fake_replicas = support.fake_replicas
+server = support_redis.redis_server
+layout = support_redis.redis_layout
+r = support_redis.redis_client
+fake_replicas = support_redis.fake_replicas
 
 
 # -- restarts and expiry -------------------------------------------------------------------------------------

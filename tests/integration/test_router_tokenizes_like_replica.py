@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from tests.support import wait_for
 
 from kvroute.model_folder import ModelLoadError
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME as CONTRACT_DEFAULT_MODEL_DIRNAME
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
-from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
+from kvroute_tools.redis_server import RedisServer
 from replica.model.default_model import DEFAULT_MODEL_DIRNAME
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
+from tests.support import wait_for
 
 B = 16
 T = 30.0

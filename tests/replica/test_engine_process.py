@@ -16,26 +16,32 @@ import signal
 import grpc
 import pytest
 import redis
-from tests import support
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
-from tests.support import deltas_before_deadline, pid_alive, started_stream
-from tests.support import replica_idle as idle
 
 from kvroute.events import AllBlocksCleared, BlockStored, decode_batch
 from kvroute.hashing import BlockHasher, to_event_int
 from kvroute.model_folder import ModelLoadError
 from kvroute.redis_layout import RedisLayout
-from kvroute_tools.redis_server import RedisServer
 from kvroute.v1 import events_pb2
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
+from kvroute_tools.redis_server import RedisServer
 from replica.engine.async_engine import EngineDeadError
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica, build_process_engine, resolve_model_dir
 from replica.settings import ReplicaSettings
+from tests import support
+from tests.support import (
+    abort_mid_stream,
+    assert_duplicate_request_id_refused,
+    concurrent_stream_outcomes,
+    deltas_before_deadline,
+    pid_alive,
+    started_stream,
+)
+from tests.support import replica_idle as idle
 
 BLOCK = 16
 NAMESPACE = "proc"

@@ -3,7 +3,7 @@ DESIGN.md §3.3, §4); through a real engine: test_publisher_engine.py.
 
 The reader in these tests does what the router's consumer does: XRANGE the stream, decode each
 batch and feed it to ReplicaCacheState, loading the snapshot when it starts late or sees a gap
-(tests.support.replay).
+(tests.support_redis.replay).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
 from replica.engine.step_hook import take_step_sample
 from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
-from tests import support
-from tests.support import read_entries, read_snapshot, replay, wait_for
+from tests import support_redis
+from tests.support import wait_for
+from tests.support_redis import read_entries, read_snapshot, replay
 
 REPLICA = "replica-a"
 ADDRESS = "127.0.0.1:50051"
@@ -62,8 +63,8 @@ class FakeCache:
 
 
 # The shared fixtures (tests.support), under the names the tests take.
-server = support.redis_server
-layout = support.redis_layout
+server = support_redis.redis_server
+layout = support_redis.redis_layout
 
 
 def make_publisher(server: RedisServer, layout: RedisLayout, **kw) -> RedisEventPublisher:

@@ -1,5 +1,5 @@
 """RedisEventPublisher through a real engine (replica/publisher/, DESIGN.md §3.3, §4): a reader of
-the stream (tests.support.replay) reaches the engine's cached set, across snapshots, a restart and
+the stream (tests.support_redis.replay) reaches the engine's cached set, across snapshots, a restart and
 a Redis outage, and the step hook never blocks the engine thread. Without an engine:
 test_publisher.py.
 """
@@ -19,15 +19,16 @@ from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
 from replica.engine.step_hook import take_step_sample
 from replica.publisher import RedisEventPublisher
-from tests import support
-from tests.support import make_cpu_engine, read_entries, read_snapshot, replay, wait_for
+from tests import support_redis
+from tests.support import make_cpu_engine, wait_for
+from tests.support_redis import read_entries, read_snapshot, replay
 
 REPLICA = "replica-a"
 ADDRESS = "127.0.0.1:50051"
 
 # The shared fixtures (tests.support), under the names the tests take.
-server = support.redis_server
-layout = support.redis_layout
+server = support_redis.redis_server
+layout = support_redis.redis_layout
 
 
 def multiset(cached) -> dict[str, Counter]:

@@ -10,16 +10,22 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from tests.support import abort_mid_stream, assert_duplicate_request_id_refused, concurrent_stream_outcomes
-from tests.support import deltas_before_deadline, started_stream, wait_for
-from tests.support import replica_idle as idle
 
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.params import SamplingParams
 from replica.server import BackgroundReplica
-from replica.wire import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
 from replica.settings import ReplicaSettings
+from replica.wire import GENERATION_SERVICE, REPLICA_SERVICE, sampling_params_from_proto
+from tests.support import (
+    abort_mid_stream,
+    assert_duplicate_request_id_refused,
+    concurrent_stream_outcomes,
+    deltas_before_deadline,
+    started_stream,
+    wait_for,
+)
+from tests.support import replica_idle as idle
 
 BLOCK = 16
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,6 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
-from tests.support import wait_for
 
 from kvroute.telemetry import extract_context, inject_metadata, setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -23,6 +22,7 @@ from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from replica.telemetry import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from tests.support import wait_for
 
 BLOCK = 16
 PROMPT = [(11 * i + 5) % 500 for i in range(3 * BLOCK + 5)]
