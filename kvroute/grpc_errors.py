@@ -96,8 +96,7 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - this is the boundary
-                    code, message = _status_of(exc, classify)
-                    await context.abort(code, message)
+                    await context.abort(*_status_of(exc, classify))
 
             return stream
 
@@ -108,8 +107,7 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the boundary
-                code, message = _status_of(exc, classify)
-                await context.abort(code, message)
+                await context.abort(*_status_of(exc, classify))
 
         return unary
 
