@@ -124,7 +124,6 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
     ids = cfg.replica_ids()
     reps = [SimReplica(rid, cfg.num_blocks, hasher, cfg.timing, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_num_seqs=cfg.max_num_seqs, cpu_num_blocks=cfg.cpu_blocks) for rid in ids]
-    by_id = dict(zip(ids, reps, strict=True))
     prime = getattr(policy, "observe_prompt", None)
     if hasattr(policy, "block_capacity"):
         policy.block_capacity = cfg.num_blocks - 1
