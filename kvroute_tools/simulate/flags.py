@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser, *, requests: int | None, replicas:
     p.add_argument("--event-delay-ms", type=float, default=10.0, help="KV events reach the router after this")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period (default 1 s)")
     p.add_argument("--speculative-ttl", type=float, default=2.0, help="the router's speculative entries, seconds")
-    p.add_argument("--prefill-work-weight", type=float, default=None, help="kvroute cost: work weight")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="kvroute cost: prefill rate")
+    p.add_argument("--weights", default="",
+                   help="kvroute cost model weights, NAME=VALUE,... of router.scoring.ScoringWeights' fields "
+                        "(e.g. prefill_work_weight=5,kv_usage_weight=0.5)")
     p.add_argument("--calibration", default=None, help="JSON file of TimingModel fields (overridden by the flags below)")
     for flag, _, _ in TIMING_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help="timing model override")

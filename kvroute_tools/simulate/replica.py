@@ -118,6 +118,8 @@ class SimReplica:
             self.step = Step(now, end, window=k, seqs=seqs, kv_tokens=kv_tokens)
             return self.step
         out = self.scheduler.schedule()
+        if out.is_empty and not out.preempted:  # pragma: no cover - the cluster checks request sizes first
+            raise RuntimeError(f"{self.replica_id}: nothing schedulable with {len(self.scheduler.waiting)} waiting")
         prefill = decode = kv_read = 0
         for s in out.scheduled:
             if s.num_scheduled_tokens == 1 and s.request.output_token_ids and s.samples:

@@ -56,8 +56,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
     timing = TimingModel.from_file(args.calibration) if args.calibration else TimingModel()
     overrides = {field: getattr(args, flag) * unit for flag, field, unit in TIMING_FLAGS if getattr(args, flag) is not None}
     timing = dataclasses.replace(timing, **overrides)
-    wkw = {k: v for k, v in (("prefill_work_weight", args.prefill_work_weight),
-                             ("prefill_tokens_per_s", args.prefill_tokens_per_s)) if v is not None}
+    wkw = {}
+    for item in filter(None, (s.strip() for s in args.weights.split(","))):
+        name, _, value = item.partition("=")
+        if name not in {f.name for f in dataclasses.fields(ScoringWeights)}:
+            raise ValueError(f"--weights: unknown {name!r}; expected fields of ScoringWeights")
+        try:
+            wkw[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--weights: {name} needs a number, got {value!r}") from None
     weights = ScoringWeights(**wkw)
     path = args.trace or BUNDLED_TRACE
     trace = load_mooncake(path, limit=args.requests)
