@@ -92,6 +92,9 @@ def write_outputs(out: str | Path, rows: Sequence[dict], oracles: dict[int, Orac
         ax_hit.plot(counts, [getattr(oracles[n], name) for n in counts], "k" + style, label=f"oracle: {name}")
     ax_hit.set(xlabel="replicas", ylabel="prefix cache hit rate (tokens)", xscale="log", title="hit rate")
     ax_ttft.set(xlabel="replicas", ylabel="TTFT mean (ms)", xscale="log", yscale="log", title="TTFT mean")
+    for ax in (ax_hit, ax_ttft):
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.minorticks_off()
     ax_hit.legend(fontsize=7)
     fig.tight_layout()
     files.append(out / "hit_ttft_vs_replicas.png")
