@@ -1,7 +1,13 @@
 """Acceptance 1 of issue 13: the simulator reproduces the oracles exactly where they must agree, and
-a hand-worked case of three requests gets the TTFTs the timing model gives."""
+a hand-worked case of three requests gets the TTFTs the timing model gives.
+
+The oracles apply the engine's lookup rule (the last prompt token is always recomputed), so they
+sit a little under ``kvroute_tools.trace.hit_rate_bounds``, which counts every leading seen id
+(0.21549 against 0.21574 ideal on these 1,000 requests)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -27,8 +33,13 @@ def first_1000() -> list[TraceRequest]:
     return load_mooncake(limit=1000)
 
 
-def test_one_replica_with_an_unlimited_cache_is_the_ideal_bound(first_1000):
-    run = simulate(first_1000, _unlimited(first_1000, 1), "kvroute")
+@pytest.mark.parametrize("budget", [200_000, 8192])
+def test_one_replica_with_an_unlimited_cache_is_the_ideal_bound(first_1000, budget):
+    # With the default budget (8192) long prompts take several steps; on these requests no
+    # request sharing a prefix arrives while that prefix is still being prefilled, so the bound
+    # holds there too.
+    cfg = dataclasses.replace(_unlimited(first_1000, 1), max_num_batched_tokens=budget)
+    run = simulate(first_1000, cfg, "kvroute")
     hit, total = _hit_tokens(run)
     oracle = oracle_rates(first_1000, 1, 10**9, 512, 512)
     assert total == oracle.prompt_tokens
