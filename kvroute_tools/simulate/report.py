@@ -4,7 +4,8 @@ Metrics of a row: hit rate in prompt tokens (each request's cached tokens at its
 its prompt tokens), its share of the pooled oracle, TTFT mean / p50 / p99 and TPOT p50 / p99 in
 milliseconds (TPOT: (finish - first token) / (outputs - 1), requests with 2+ outputs), mean queue
 (waiting requests per replica, sampled at heartbeats), load imbalance (most requests routed to one
-replica / the mean), preemptions, and the router's decision time per request (wall microseconds
+replica / the mean), stepping (the share of the virtual time the replicas spent in steps: any running
+request keeps a replica stepping, so this is not its utilization), preemptions, and the router's decision time per request (wall microseconds
 of decide + commit). Percentiles are nearest-rank.
 """
 
@@ -44,6 +45,7 @@ def summarize(run: PolicyRun, oracle: OracleRates) -> dict:
         "imbalance": max(run.routed) / mean_routed if mean_routed else math.nan,
         "preemptions": run.preemptions,
         "decide_us": 1e6 * sum(run.decide_s) / len(run.decide_s) if run.decide_s else math.nan,
+        "busy": sum(run.busy_s) / (len(run.busy_s) * run.end_s) if run.end_s > 0 else 0.0,
         "wall_s": run.wall_s, "virtual_s": run.end_s,
         "ttft_cdf_ms": [1e3 * percentile(ttft, q) for q in range(1, 101)],
     }
@@ -53,7 +55,7 @@ _COLUMNS = (("policy", "policy", "{:<19}", 19), ("hit", "hit_rate", "{:.4f}", 7)
             ("TTFT mean", "ttft_mean_ms", "{:.0f}", 10), ("p50", "ttft_p50_ms", "{:.0f}", 7),
             ("p99", "ttft_p99_ms", "{:.0f}", 8), ("TPOT p50", "tpot_p50_ms", "{:.1f}", 9),
             ("p99", "tpot_p99_ms", "{:.1f}", 7), ("queue", "mean_queue", "{:.2f}", 7),
-            ("max/mean", "imbalance", "{:.2f}", 9), ("preempt", "preemptions", "{}", 8),
+            ("max/mean", "imbalance", "{:.2f}", 9), ("stepping", "busy", "{:.0%}", 9), ("preempt", "preemptions", "{}", 8),
             ("decide us", "decide_us", "{:.0f}", 10), ("wall s", "wall_s", "{:.1f}", 7))
 
 
