@@ -4,9 +4,9 @@ Metrics of a row: hit rate in prompt tokens (each request's cached tokens at its
 its prompt tokens), its share of the pooled oracle, TTFT mean / p50 / p99 and TPOT p50 / p99 in
 milliseconds (TPOT: (finish - first token) / (outputs - 1), requests with 2+ outputs), mean queue
 (waiting requests per replica, sampled at heartbeats), load imbalance (most requests routed to one
-replica / the mean), stepping (the share of the virtual time the replicas spent in steps: any running
-request keeps a replica stepping, so this is not its utilization), preemptions, and the router's decision time per request (wall microseconds
-of decide + commit). Percentiles are nearest-rank.
+replica / the mean), stepping (the share of the virtual time the replicas spent in steps: any
+running request keeps a replica stepping, so it is not utilization), preemptions, and the router's
+decision time per request (wall microseconds of decide + commit). Percentiles are nearest-rank.
 """
 
 from __future__ import annotations
