@@ -54,7 +54,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.cache_fraction is not None and not args.cache_fraction > 0:
         raise ValueError(f"--cache-fraction: must be > 0, got {args.cache_fraction}")
     timing = TimingModel.from_file(args.calibration) if args.calibration else TimingModel()
-    overrides = {field: getattr(args, flag) * unit for flag, field, unit in TIMING_FLAGS if getattr(args, flag) is not None}
+    overrides = {field: getattr(args, flag) * unit for flag, field, unit, _ in TIMING_FLAGS
+                 if getattr(args, flag) is not None}
     timing = dataclasses.replace(timing, **overrides)
     wkw = {}
     for item in filter(None, (s.strip() for s in args.weights.split(","))):
