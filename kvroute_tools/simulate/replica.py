@@ -219,7 +219,8 @@ class SimReplica:
 
 
 def _no_copy(direction: str, src: int, dst: int) -> None:
-    """The CPU tier's block copy: nothing to copy in a simulation (its time is not modelled)."""
+    """The CPU tier's block copy: nothing to copy in a simulation. Its time is not modelled: a CPU
+    hit costs a step no more than a GPU hit."""
 
 
 __all__ = ["DECODE_TOKEN", "SimReplica", "SimRequest", "Step"]

@@ -100,8 +100,8 @@ def simulate_main(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     oracles: dict[int, OracleRates] = {}
     for cfg in plan.configs:
-        oracle = oracle_rates(plan.trace, cfg.replicas, cfg.replicas * (cfg.num_blocks - 1), cfg.tokens_per_block,
-                              cfg.block_size)
+        pooled = cfg.replicas * (cfg.num_blocks - 1 + cfg.cpu_blocks)  # every tier's blocks
+        oracle = oracle_rates(plan.trace, cfg.replicas, pooled, cfg.tokens_per_block, cfg.block_size)
         oracles[cfg.replicas] = oracle
         group = []
         for name in plan.policies:
