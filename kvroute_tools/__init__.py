@@ -5,13 +5,14 @@ what its subcommands run on one machine.
          │                            └─ redis_server (embedded redis-server), resolve_model (child)
          ├─ generate  ─▶ client (one streamed generation from a router)
          ├─ bench     ─▶ bench/ (config, plan, run, report) over gRPC, trace (Mooncake traces, bounds)
-         ├─ demo      ─▶ demo (the trace through in-process KV managers, routed by router.scoring)
+         ├─ simulate  ─▶ simulate/ (a whole cluster in virtual time: replica.engine's scheduler and
+         │                replica.kv over a timing model, router.core's Router), trace; demo = simulate
          └─ replica / router ─▶ replica.server.main / router.server.main
 
 Consumes: command lines, Mooncake-format traces (data/ bundles one), a router's address.
 Produces: running local clusters (redis, replicas, a router as child processes), streamed text,
-the bench table / bench.json / bench.png, exit statuses that say what failed.
+the bench table / bench.json / bench.png, the simulation's tables / simulate.json / charts, exit statuses that say what failed.
 May import: ``kvroute``, ``router`` and ``replica`` (torch only through replica, and only in the
-subcommands that run one: ``kvroute`` itself, ``up``, ``generate`` and ``bench`` stay torch-free).
+subcommands that run one: ``kvroute`` itself, ``up``, ``generate``, ``bench`` and ``simulate`` stay torch-free).
 Nothing imports it but tests and the benchmarks in bench/ (import-linter, pyproject.toml).
 """

@@ -3,9 +3,11 @@
 Subcommands import the replica or router packages lazily, so that ``kvroute`` itself stays free of
 torch (DESIGN.md §1).
 
-    kvroute demo [--requests N] [--replicas K]   replay the bundled Mooncake trace through K real
-                                                 KV cache managers, routed by the router's policies
-                                                 (round_robin vs kvroute) -- kvroute_tools.demo
+    kvroute simulate [--replicas 8,16] [...]     the trace through N simulated replicas (real scheduler
+                                                 and KV manager, timing model) and the real router, per
+                                                 policy, against the oracles -- kvroute_tools.simulate
+    kvroute demo                                 simulate with small defaults (1,000 requests, 4 replicas,
+                                                 round_robin vs kvroute)
     kvroute replica [--flag ...]                 run one replica (gRPC + engine + KV events); its
                                                  flags are ReplicaSettings' (kvroute replica --help)
     kvroute router [--flag ...]                  run one router (KV event consumer + gRPC proxy); its
@@ -27,11 +29,13 @@ import argparse
 import shlex
 import sys
 
+_SIM_POLICIES = ("kvroute", "round_robin", "least_loaded", "random", "sglang_cache_aware", "llmd", "dynamo", "chwbl")
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvroute_tools.demo import demo_main
 
-    return demo_main(args)
+def _simulate(args: argparse.Namespace) -> int:
+    from kvroute_tools.simulate.run import simulate_main
+
+    return simulate_main(args)
 
 
 def _replica(args: argparse.Namespace) -> int:
@@ -68,14 +72,13 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.config)
 
 
-def _check_demo(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag, value, low in (("--requests", args.requests, 1), ("--replicas", args.replicas, 1),
-                             ("--block-size", args.block_size, 1), ("--num-blocks", args.num_blocks, 2),
-                             ("--concurrency", args.concurrency, 0)):
-        if value < low:
-            p.error(f"{flag}: must be >= {low}, got {value}")
-    if not args.prefill_work_weight >= 0:
-        p.error(f"--prefill-work-weight: must be >= 0, got {args.prefill_work_weight}")
+def _check_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute_tools.simulate.run import build_plan
+
+    try:
+        args.plan = build_plan(args)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
 
 
 def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -133,18 +136,21 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="Prefix-aware routing cluster for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="replay the bundled trace through real KV cache managers, routed by the "
-                                    "router's policies")
-    d.add_argument("--trace", default=None, help="a Mooncake-format trace (default: the bundled one)")
-    d.add_argument("--requests", type=int, default=1000, help="how many trace requests (default 1000)")
-    d.add_argument("--replicas", type=int, default=4)
-    d.add_argument("--block-size", type=int, default=16, help="KV block size = tokens per trace block")
-    d.add_argument("--num-blocks", type=int, default=8192, help="KV blocks per replica")
-    d.add_argument("--concurrency", type=int, default=16,
-                   help="the last N routed requests count as in flight: the load the policy sees (default 16)")
-    d.add_argument("--prefill-work-weight", type=float, default=5.0,
-                   help="the kvroute cost model's work weight (default 5, as make run passes the router)")
-    d.set_defaults(func=_demo, check=_check_demo)
+    from kvroute_tools.simulate.flags import add_arguments
+
+    sim = sub.add_parser(
+        "simulate", help="a whole cluster in virtual time: the router's and KV manager's code, a timing model",
+        description="Replay a Mooncake trace through N simulated replicas (the real scheduler and KV cache "
+                    "manager, step times from a timing model) routed by the real router, once per policy, and "
+                    "print per policy: hit rate, share of the pooled oracle, TTFT, TPOT, queue, imbalance, "
+                    "preemptions, decision time; with the ideal, pooled-LRU and round-robin oracles.",
+    )
+    add_arguments(sim, requests=None, replicas="16", policies=",".join(_SIM_POLICIES))
+    sim.set_defaults(func=_simulate, check=_check_simulate)
+    d = sub.add_parser("demo", help="kvroute simulate with small defaults: 1,000 requests, 4 replicas, "
+                                    "round_robin vs kvroute")
+    add_arguments(d, requests=1000, replicas="4", policies="round_robin,kvroute")
+    d.set_defaults(func=_simulate, check=_check_simulate, no_progress=True)
     # The replica's flags are declared by ReplicaSettings, which imports torch: they are parsed by
     # the replica itself (replica.server.main), so that `kvroute --help` stays torch-free.
     r = sub.add_parser("replica", add_help=False, help="run one replica (flags: kvroute replica --help)")

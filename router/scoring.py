@@ -237,7 +237,8 @@ POLICY_NAMES = ("kvroute", "round_robin", "least_loaded", "random")
 
 
 def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | None = None) -> Policy:
-    """A policy by name. Raises ValueError naming the valid ones."""
+    """A policy by name: the live router's (POLICY_NAMES) or a peer's re-implementation
+    (``router.policies.PEER_POLICIES``). Raises ValueError naming the valid ones."""
     rng = random.Random(seed)
     if name == "kvroute":
         return KVRoutePolicy(weights, rng=rng)
@@ -247,4 +248,8 @@ def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | No
         return LeastLoadedPolicy(rng)
     if name == "random":
         return RandomPolicy(rng)
-    raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    from router.policies import PEER_POLICIES, make_peer_policy  # they import this module
+
+    if name in PEER_POLICIES:
+        return make_peer_policy(name, rng)
+    raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICY_NAMES + PEER_POLICIES)}")
