@@ -22,6 +22,6 @@ May import: ``kvroute`` (the contract) and third-party libraries; never ``replic
 Modules: ``index`` (pure data structure), ``registry`` (replica states, no I/O), ``consumer``
 (the Redis I/O thread), ``consumer_feed`` (what it read, through kvroute.ordering into the index;
 no I/O), ``discovery`` (static / redis / kubernetes), prompts -> token ids through ``kvroute.prompt`` (as
-the replicas do), ``scoring`` (cost model), ``load`` (in-flight accounting), ``core`` (hash +
+the replicas do), ``scoring`` (cost model and the baseline policies), ``policies`` (re-implemented peer policies: SGLang, llm-d, Dynamo, consistent hashing with bounded load), ``load`` (in-flight accounting), ``core`` (hash +
 lookup + score + pick), ``proxy`` (the request path), ``channels`` (replica channels), ``servicers`` / ``server`` (gRPC), ``settings``, ``telemetry``.
 """
