@@ -141,7 +141,7 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
         hb = Heartbeat(replica_id=rep.replica_id, address=rep.replica_id, epoch=1, last_seq=rep.steps,
                        model="sim", block_size=cfg.block_size, hash_algorithm=hasher.algorithm,
                        hash_seed_digest=hasher.seed_digest, num_blocks=cfg.num_blocks, load=rep.load(), ts=now)
-        registry.update_from_heartbeat(hb.to_redis(), now)
+        registry.update_from_heartbeat(hb, now)
 
     for k in range(len(reps)):
         heartbeat(k)

@@ -1,7 +1,8 @@
 """Where a replica's KV events, load heartbeats and cache snapshots go (DESIGN.md §3.3, §4).
 
-Consumes: each engine step's KV events and :class:`kvroute.heartbeat.EngineLoad` (on the engine
-thread), snapshot requests. Produces: with Redis, the replica's event stream, heartbeat and
+Consumes: each engine step's KV events and :class:`kvroute.heartbeat.EngineLoad` (on the thread
+that steps the engine: in the engine process by default, so events leave from next to the engine),
+snapshot requests. Produces: with Redis, the replica's event stream, heartbeat and
 snapshot keys (kvroute.redis_layout); without, nothing. May import ``kvroute`` and redis-py only.
 
 - :class:`EventPublisher`: the interface the step hook calls; :class:`PublisherStats` its counters.

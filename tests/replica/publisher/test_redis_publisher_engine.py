@@ -1,7 +1,7 @@
 """RedisEventPublisher through a real engine (replica/publisher/, DESIGN.md §3.3, §4): a reader of
 the stream (tests.support_redis.replay) reaches the engine's cached set, across snapshots, a restart and
 a Redis outage, and the step hook never blocks the engine thread. Without an engine:
-test_publisher.py.
+test_redis_publisher.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """RedisEventPublisher against a real redis-server, without an engine (replica/publisher/,
-DESIGN.md §3.3, §4); through a real engine: test_publisher_engine.py.
+DESIGN.md §3.3, §4); through a real engine: test_redis_publisher_engine.py.
 
 The reader in these tests does what the router's consumer does: XRANGE the stream, decode each
 batch and feed it to ReplicaCacheState, loading the snapshot when it starts late or sees a gap
