@@ -173,6 +173,11 @@ class ReplicaFrontend:
             raise EngineDeadError(str(dead) if isinstance(dead, EngineDeadError) else f"engine step loop died: {dead!r}")
         return self.engine
 
+    def check_serving(self) -> None:
+        """Raise what a call made now would fail with before its prompt is read: RpcError
+        UNAVAILABLE (loading, draining) or EngineDeadError (the HTTP front's ``/health``)."""
+        self._require_engine()
+
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt of a public request as token ids (:func:`kvroute.prompt.prompt_ids`, as the
         router computes them), or a ReplicaService request's ids; the engine validates them.

@@ -1,13 +1,14 @@
-"""The replica process: model + engine + gRPC services + health + reflection + KV event publisher.
+"""The replica process: model + engine + gRPC services + health + reflection + KV event publisher,
+and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
 
-    start():  gRPC up (liveness SERVING, readiness NOT_SERVING)
+    start():  gRPC up (liveness SERVING, readiness NOT_SERVING), HTTP up (/health 503 until ready)
               ─▶ engine_process (default): ProcessLLMEngine.start() spawns the engine process, which
                    loads the model, warms up, starts the publisher and its step hook (ProcessStepHook);
                    this process holds a RemotePublisher (its counters as the step reports show them)
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ grpc stop(grace)
+    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ HTTP and grpc stop(grace)
               ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
 
 The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
@@ -16,7 +17,7 @@ thread of this process it competes with gRPC for the GIL (replica/engine/core_cl
 
 ``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m replica`` and ``kvroute replica``
 call :func:`main`. Tests and benchmarks use :class:`ReplicaServer` directly (``port=0`` binds a free
-port, read back from ``.port``).
+port, read back from ``.port``; ``http_port=0`` likewise, read back from ``.http_port``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
+from kvroute.openai_http import HttpServer
 from kvroute.heartbeat import EngineLoad
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
@@ -48,6 +50,7 @@ from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
+from replica.http_api import replica_http_app
 from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
@@ -157,7 +160,7 @@ class RemotePublisher(EventPublisher):
 class ReplicaServer:
     """One replica's gRPC server over one engine (see the module docstring for the sequence).
 
-    After ``await start()``: ``port`` (bound), ``address`` (advertised), ``replica_id``,
+    After ``await start()``: ``port`` (bound), ``http_port`` (bound; None when off), ``address`` (advertised), ``replica_id``,
     ``engine`` (a ``ProcessLLMEngine`` with ``engine_process``, else an ``AsyncLLMEngine`` whose
     ``.engine`` is the ``LLMEngine``), ``frontend``, ``publisher`` (an ``EventPublisher``: a
     :class:`RemotePublisher` with ``engine_process``, else the one ``make_publisher`` made).
@@ -173,7 +176,9 @@ class ReplicaServer:
         self.publisher: EventPublisher = NullEventPublisher()
         self.frontend: ReplicaFrontend | None = None
         self.model_name = ""
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
         self._health = health.aio.HealthServicer()
         self._watchdog: asyncio.Task | None = None
         self._stop = StopOnce()
@@ -220,6 +225,16 @@ class ReplicaServer:
         await self._health.set(LIVENESS, _SERVING)
         await server.start()
         log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
+        if s.http_port >= 0:
+            metrics_text = self.telemetry.prometheus_text if self.telemetry is not None else None
+            self._http = HttpServer(replica_http_app(frontend, metrics_text).app, s.host, s.http_port, name="replica-http")
+            try:
+                self.http_port = await self._http.start()
+            except BaseException:
+                await self.stop(grace=0)
+                raise
+            log.info("replica %s: OpenAI-compatible HTTP API on http://%s/v1",
+                     self.replica_id, dial_target(s.host, self.http_port))
         try:
             if s.engine_process:
                 info = await self._start_engine_process(frontend)
@@ -305,6 +320,8 @@ class ReplicaServer:
                 n = self.frontend.drain()
                 if n:
                     log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
+            if self._http is not None:
+                await self._http.stop(grace)
             if self._server is not None:
                 await self._server.stop(grace)
             if self._watchdog is not None:
