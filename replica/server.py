@@ -38,8 +38,8 @@ from grpc_reflection.v1alpha import reflection
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
-from kvroute.openai_http import HttpServer
 from kvroute.heartbeat import EngineLoad
+from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
