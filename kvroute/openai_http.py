@@ -42,8 +42,10 @@ from kvroute.openai_api import (
     error_response,
     wants_usage_in_stream,
 )
+from kvroute.process import dial_target
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import concat_deltas
+from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger(__name__)
@@ -160,13 +162,13 @@ class OpenAIApp:
 
     Args:
         backend: the process's request path.
-        metrics_text: what ``GET /metrics`` serves (``Telemetry.prometheus_text``); None or an
-            empty answer: 404 (the process exports no Prometheus registry).
+        telemetry: the process's telemetry, whose Prometheus registry ``GET /metrics`` serves
+            (None, or no registry: 404).
     """
 
-    def __init__(self, backend: OpenAIBackend, *, metrics_text: Callable[[], str] | None = None) -> None:
+    def __init__(self, backend: OpenAIBackend, *, telemetry: Telemetry | None = None) -> None:
         self.backend = backend
-        self.metrics_text = metrics_text
+        self.telemetry = telemetry
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -265,7 +267,7 @@ class OpenAIApp:
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
-        text = self.metrics_text() if self.metrics_text is not None else ""
+        text = self.telemetry.prometheus_text() if self.telemetry is not None else ""
         if not text:
             status, body = error_response("NOT_FOUND", "metrics: this process exports no Prometheus metrics"
                                           " (metrics_port -1)", chat=False)
@@ -284,39 +286,39 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving ``app`` as a task of the running event loop.
 
-    ``start`` binds and listens at once (connections queue until uvicorn accepts them), so the
-    port is known and reachable when it returns; ``port`` = 0 picks a free one (read back from
-    ``.port``). ``stop(grace)`` lets responses in progress finish for ``grace`` seconds.
+    The constructor binds and listens (connections queue until uvicorn accepts them), so the port
+    is known, and a taken one fails, before anything starts; ``port`` = 0 picks a free one (read
+    back from ``.port``). ``start`` serves; ``stop(grace)`` lets responses in progress finish for
+    ``grace`` seconds. ``name`` is what the log line calls the process.
+
+    Raises (constructor):
+        RuntimeError: the port cannot be bound (the message names the setting ``http_port``).
     """
 
-    def __init__(self, app: Any, host: str, port: int, *, name: str = "http") -> None:
+    def __init__(self, app: Any, host: str, port: int, *, name: str) -> None:
         self.app = app
-        self.host = host
-        self.port = port
         self.name = name
+        try:
+            self._sock = socket.create_server((host or "0.0.0.0", port), backlog=1024)
+        except OSError as e:
+            raise RuntimeError(f"http_port: cannot bind {host}:{port}: {e}") from e
+        self.port: int = self._sock.getsockname()[1]
+        self.url = f"http://{dial_target(host, self.port)}/v1"
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> int:
-        """Bind, listen and start serving; returns the bound port.
-
-        Raises:
-            RuntimeError: the port cannot be bound (the message names the setting ``http_port``).
-        """
-        try:
-            sock = socket.create_server((self.host or "0.0.0.0", self.port), backlog=1024)
-        except OSError as e:
-            raise RuntimeError(f"http_port: cannot bind {self.host}:{self.port}: {e}") from e
-        self.port = sock.getsockname()[1]
+    async def start(self) -> None:
+        """Serve on the bound socket (a task of the running loop)."""
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=1)
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=f"{self.name}-uvicorn")
-        return self.port
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name=f"{self.name} http")
+        log.info("%s: OpenAI-compatible HTTP API on %s", self.name, self.url)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop accepting, give responses in progress ``grace`` seconds, then close them. Idempotent."""
         if self._server is None or self._task is None:
+            self._sock.close()
             return
         self._server.config.timeout_graceful_shutdown = max(int(grace), 0) or None
         self._server.should_exit = True

@@ -8,12 +8,13 @@ cancellation (a client disconnect aborts the engine request and frees its blocks
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from kvroute.grpc_errors import RpcError
 from kvroute.openai_http import HttpCallContext, OpenAIApp
+from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from replica.frontend import ReplicaFrontend
 from replica.wire import classify_error
@@ -46,9 +47,9 @@ class ReplicaBackend:
         return None
 
 
-def replica_http_app(frontend: ReplicaFrontend, metrics_text: Callable[[], str] | None = None) -> OpenAIApp:
-    """The HTTP app of a replica serving ``frontend`` (``metrics_text``: ``GET /metrics``)."""
-    return OpenAIApp(ReplicaBackend(frontend), metrics_text=metrics_text)
+def replica_http_app(frontend: ReplicaFrontend, telemetry: Telemetry | None = None) -> OpenAIApp:
+    """The HTTP app of a replica serving ``frontend`` (``telemetry``'s registry: ``GET /metrics``)."""
+    return OpenAIApp(ReplicaBackend(frontend), telemetry=telemetry)
 
 
 __all__ = ["ReplicaBackend", "replica_http_app"]

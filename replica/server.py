@@ -215,6 +215,10 @@ class ReplicaServer:
         self.frontend = frontend = ReplicaFrontend(
             replica_id=self.replica_id, max_waiting=s.max_waiting, publishing=bool(s.redis_url), tracer=tracer
         )
+        if s.http_port >= 0:  # bound now: a taken port fails before anything starts
+            app = replica_http_app(frontend, self.telemetry).app
+            self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
+            self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
         replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -225,16 +229,8 @@ class ReplicaServer:
         await self._health.set(LIVENESS, _SERVING)
         await server.start()
         log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
-        if s.http_port >= 0:
-            metrics_text = self.telemetry.prometheus_text if self.telemetry is not None else None
-            self._http = HttpServer(replica_http_app(frontend, metrics_text).app, s.host, s.http_port, name="replica-http")
-            try:
-                self.http_port = await self._http.start()
-            except BaseException:
-                await self.stop(grace=0)
-                raise
-            log.info("replica %s: OpenAI-compatible HTTP API on http://%s/v1",
-                     self.replica_id, dial_target(s.host, self.http_port))
+        if self._http is not None:
+            await self._http.start()
         try:
             if s.engine_process:
                 info = await self._start_engine_process(frontend)

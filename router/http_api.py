@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from kvroute.openai_http import HttpCallContext, OpenAIApp
+from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from router.proxy import Proxy, classify_error
 
@@ -47,10 +48,9 @@ class RouterBackend:
         return None
 
 
-def router_http_app(proxy: Proxy, ready: Callable[[], bool], metrics_text: Callable[[], str] | None = None
-                    ) -> OpenAIApp:
-    """The HTTP app of a router serving through ``proxy`` (``metrics_text``: ``GET /metrics``)."""
-    return OpenAIApp(RouterBackend(proxy, ready), metrics_text=metrics_text)
+def router_http_app(proxy: Proxy, ready: Callable[[], bool], telemetry: Telemetry | None = None) -> OpenAIApp:
+    """The HTTP app of a router serving through ``proxy`` (``telemetry``'s registry: ``GET /metrics``)."""
+    return OpenAIApp(RouterBackend(proxy, ready), telemetry=telemetry)
 
 
 __all__ = ["RouterBackend", "router_http_app"]

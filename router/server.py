@@ -167,6 +167,10 @@ class RouterServer:
             self.router, self.tokenizer, policy_factory=self.policy,
             max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
         )
+        if s.http_port >= 0:  # bound now: a taken port fails before anything starts
+            app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
+            self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
+            self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -174,17 +178,8 @@ class RouterServer:
         await self._set_all(_NOT_SERVING)
         await self._health.set(LIVENESS, _SERVING)
         await server.start()
-        if s.http_port >= 0:
-            metrics_text = self.telemetry.prometheus_text if self.telemetry is not None else None
-            app = router_http_app(self.proxy, self._ready.is_set, metrics_text).app
-            self._http = HttpServer(app, s.host, s.http_port, name="router-http")
-            try:
-                self.http_port = await self._http.start()
-            except BaseException:
-                await self.stop(grace=0)
-                raise
-            log.info("router %s: OpenAI-compatible HTTP API on http://%s/v1",
-                     self.router_id, dial_target(s.host, self.http_port))
+        if self._http is not None:
+            await self._http.start()
         for part in (self.consumer, self.discovery, self.load_sync):
             part.start()
             self._threads.append(part)

@@ -51,12 +51,11 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def replica(redis_server, default_model_dir):
-    settings = ReplicaSettings(
-        host="127.0.0.1", port=0, http_port=0, model=str(default_model_dir), replica_id="rep-http",
+    with BackgroundReplica(ReplicaSettings(
+        replica_id="rep-http", host="127.0.0.1", port=0, http_port=0, model=str(default_model_dir),
         redis_url=redis_server.url, num_blocks=128, torch_threads=1, heartbeat_interval=0.2, max_num_seqs=4,
         max_waiting=6, engine_process=False,
-    )
-    with BackgroundReplica(settings) as r:
+    )) as r:
         yield r
 
 
