@@ -25,6 +25,7 @@ import pytest
 
 from kvroute.openai_api import chat_request
 from kvroute.prompt import PromptTokenizer
+from kvroute.telemetry import setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -67,9 +68,11 @@ def router_settings(redis_server, model_dir, **kw) -> RouterSettings:
 
 @pytest.fixture(scope="module")
 def router(redis_server, default_model_dir, replica):
-    with BackgroundRouter(router_settings(redis_server, default_model_dir)) as r:
+    telemetry = setup_telemetry("kvroute-router-openai-test", 0, otlp=False)  # a Prometheus registry
+    with BackgroundRouter(router_settings(redis_server, default_model_dir), telemetry=telemetry) as r:
         wait_for(lambda: [i.replica_id for i in r.server.registry.routable()] == ["rep-http"], what="replica routable")
         yield r
+    telemetry.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +197,18 @@ def test_models_and_health(client, servers, side):
     assert card.id == MODEL and card.owned_by == "kvroute"
     resp = health(servers[side])
     assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+
+
+def test_metrics_serve_the_process_registry_or_404_without_one(servers):
+    router = servers["router"]
+    resp = httpx2.get(f"http://127.0.0.1:{router.server.http_port}/metrics", timeout=T)
+    def types(text: str) -> set[str]:
+        return {line for line in text.splitlines() if line.startswith("# TYPE ")}
+
+    assert resp.status_code == 200 and types(resp.text) == types(router.server.telemetry.prometheus_text())
+    assert "kvroute_router" in resp.text
+    resp = httpx2.get(f"http://127.0.0.1:{servers['replica'].server.http_port}/metrics", timeout=T)
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "metrics"
 
 
 # -- refusals: OpenAI's error shape, naming the field ------------------------------------------------
