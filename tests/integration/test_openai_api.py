@@ -16,6 +16,7 @@ One module on purpose: the cluster's start costs more than the tests.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import grpc
@@ -368,3 +369,28 @@ def test_chat_ids_are_equal_between_http_and_grpc(messages, client, gen, default
     assert out.usage.prompt_tokens == len(http_ids)
     ref = gen.Generate(gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=http_ids), sampling=greedy(4)), timeout=T)
     assert out.choices[0].message.content == ref.text
+
+
+# -- kvroute up ------------------------------------------------------------------------------------------
+def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_works(servers, default_model_dir):
+    import shlex
+    import subprocess
+
+    from kvroute_tools.cluster import ClusterConfig, LocalCluster
+    from kvroute_tools.up import substitute
+
+    router = servers["router"]
+    cluster = LocalCluster(ClusterConfig(replicas=1))
+    try:
+        cluster.router = type("Router", (), {"target": router.target, "pid": 1})()  # type: ignore[assignment]
+        cluster.replicas, cluster.model_dir = [], str(default_model_dir)
+        cluster.router_http_url = http_base(router)
+        banner = cluster.banner()
+        assert f"  openai      {http_base(router)} " in banner
+        (curl,) = [line.strip() for line in banner.splitlines() if line.strip().startswith("curl ")]
+        done = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=T, check=True)
+        assert json.loads(done.stdout)["usage"]["completion_tokens"] == 16
+        assert substitute(["replay", "--base-url", "{http_url}"], cluster) == ["replay", "--base-url", http_base(router)]
+    finally:
+        cluster.router = None
+        cluster.stop()
