@@ -193,6 +193,21 @@ def test_repeated_long_prompt_reports_cached_tokens_on_the_second_call(client, s
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_stop_seed_and_cache_salt_reach_the_engine(client, side):
+    text = "The harbour town woke before the sun."
+    whole = client.completions.create(model=MODEL, prompt=text, **GREEDY).choices[0].text
+    stop = whole[4:6]
+    cut = client.completions.create(model=MODEL, prompt=text, stop=[stop], **GREEDY).choices[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == whole[:whole.index(stop)]
+    seeded = [client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=1.0, seed=7).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    ids = random_ids(200 + SIDES.index(side), 4 * B + 1)
+    for salt, cached in (("tenant-a", 0), ("tenant-a", 4 * B), ("tenant-b", 0)):
+        out = client.completions.create(model=MODEL, prompt=ids, extra_body={"cache_salt": salt}, max_tokens=2)
+        assert out.usage.prompt_tokens_details.cached_tokens == cached, salt
+
+
 def test_models_and_health(client, servers, side):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.owned_by == "kvroute"
