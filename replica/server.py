@@ -55,6 +55,7 @@ from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
+from replica.vllm_metrics import VllmMetricsCollector
 from replica.wire import service_names
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ class ReplicaServer:
         self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
+        self._vllm_metrics: VllmMetricsCollector | None = None  # registered while this replica runs
         self._health = health.aio.HealthServicer()
         self._watchdog: asyncio.Task | None = None
         self._stop = StopOnce()
@@ -251,6 +253,9 @@ class ReplicaServer:
         )
 
     def _make_metrics(self, frontend: ReplicaFrontend) -> None:
+        if self.telemetry is not None and self.telemetry.registry is not None:
+            self._vllm_metrics = VllmMetricsCollector(frontend, self.model_name)
+            self.telemetry.registry.register(self._vllm_metrics)
         if self.telemetry is not None:
             # A replica that does not publish exports no event counters (rather than zeros).
             stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
@@ -327,6 +332,8 @@ class ReplicaServer:
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown, 2.0)
             await asyncio.to_thread(self.publisher.close)
+            if self._vllm_metrics is not None and self.telemetry is not None:
+                self.telemetry.registry.unregister(self._vllm_metrics)
         finally:
             self._stop.end()
             log.info("replica %s stopped", self.replica_id)

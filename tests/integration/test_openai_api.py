@@ -23,6 +23,7 @@ import grpc
 import httpx2
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.openai_api import chat_request
 from kvroute.prompt import PromptTokenizer
@@ -53,12 +54,14 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def replica(redis_server, default_model_dir):
+    telemetry = setup_telemetry("kvroute-replica-openai-test", 0, otlp=False)  # a Prometheus registry
     with BackgroundReplica(ReplicaSettings(
         replica_id="rep-http", host="127.0.0.1", port=0, http_port=0, model=str(default_model_dir),
         redis_url=redis_server.url, num_blocks=128, torch_threads=1, heartbeat_interval=0.2, max_num_seqs=4,
         max_waiting=6, engine_process=False,
-    )) as r:
+    ), telemetry=telemetry) as r:
         yield r
+    telemetry.shutdown()
 
 
 def router_settings(redis_server, model_dir, **kw) -> RouterSettings:
@@ -215,16 +218,54 @@ def test_models_and_health(client, servers, side):
     assert resp.status_code == 200 and resp.json() == {"status": "ok"}
 
 
-def test_metrics_serve_the_process_registry_or_404_without_one(servers):
-    router = servers["router"]
-    resp = httpx2.get(f"http://127.0.0.1:{router.server.http_port}/metrics", timeout=T)
+def metrics_text(server) -> str:
+    resp = httpx2.get(f"http://127.0.0.1:{server.server.http_port}/metrics", timeout=T)
+    assert resp.status_code == 200
+    return resp.text
+
+
+def test_metrics_serve_the_process_registry(servers):
     def types(text: str) -> set[str]:
         return {line for line in text.splitlines() if line.startswith("# TYPE ")}
 
-    assert resp.status_code == 200 and types(resp.text) == types(router.server.telemetry.prometheus_text())
-    assert "kvroute_router" in resp.text
-    resp = httpx2.get(f"http://127.0.0.1:{servers['replica'].server.http_port}/metrics", timeout=T)
-    assert resp.status_code == 404 and resp.json()["error"]["param"] == "metrics"
+    for server, ours in ((servers["router"], "kvroute_router"), (servers["replica"], "kvroute_replica")):
+        text = metrics_text(server)
+        assert types(text) == types(server.server.telemetry.prometheus_text()) and ours in text
+
+
+def vllm_samples(text: str) -> dict[str, float]:
+    """``name{finished_reason}`` -> value of every vllm: sample (labels model_name and engine checked)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+                reason = sample.labels.get("finished_reason")
+                out[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
+    return out
+
+
+def test_replica_publishes_vllm_metric_names_with_vllm_semantics(replica):
+    before = vllm_samples(metrics_text(replica))
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total{stop}",
+            "vllm:request_success_total{length}", "vllm:request_success_total{abort}", "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total", "vllm:num_preemptions_total"} <= set(before)
+    client = openai.OpenAI(base_url=http_base(replica), api_key="unused", max_retries=0, timeout=T)
+    ids = random_ids(300, 2 * B + 3)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    after = wait_for(lambda: (a := vllm_samples(metrics_text(replica)))["vllm:prefix_cache_hits_total"]
+                     > before["vllm:prefix_cache_hits_total"] and a, what="the second call's prefix hit sampled")
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("vllm:request_success_total{length}") == 2 and delta("vllm:request_success_total{stop}") == 0
+    assert delta("vllm:prompt_tokens_total") == 2 * len(ids) and delta("vllm:generation_tokens_total") == 24
+    assert delta("vllm:prefix_cache_hits_total") == 2 * B and delta("vllm:prefix_cache_queries_total") >= 2 * B
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
 
 
 # -- refusals: OpenAI's error shape, naming the field ------------------------------------------------
@@ -356,6 +397,8 @@ def test_router_with_nothing_routable_answers_503(redis_server, default_model_di
         assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
         resp = health(r)
         assert resp.status_code == 503 and resp.json()["reason"] == "no routable replica"
+        resp = httpx2.get(f"http://127.0.0.1:{r.server.http_port}/metrics", timeout=T)  # no telemetry here
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "metrics"
 
 
 # -- chat: the ids HTTP computes are gRPC's ---------------------------------------------------------------
