@@ -452,3 +452,23 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
     finally:
         cluster.router = None
         cluster.stop()
+
+
+# -- kvroute bench --api openai --------------------------------------------------------------------------
+def test_bench_over_the_openai_api_matches_the_grpc_replay(servers):
+    from kvroute_tools.bench.config import BenchConfig
+    from kvroute_tools.bench.run import run_bench
+
+    router = servers["router"]
+    runs = {}
+    for api in ("grpc", "openai"):  # one after the other, each with its own cache salt
+        cfg = BenchConfig(target=router.target, requests=40, max_output_tokens=4, concurrency=1,
+                          policies=("kvroute",), progress=False, api=api,
+                          http_url=http_base(router) if api == "openai" else "")
+        runs[api] = asyncio.run(run_bench(cfg, log=lambda s: None)).policies[0]
+    grpc_run, http_run = runs["grpc"], runs["openai"]
+    assert grpc_run.errors == http_run.errors == 0
+    assert grpc_run.hit_rate_source == http_run.hit_rate_source == "replica counters"
+    assert grpc_run.hit_rate > 0 and abs(http_run.hit_rate - grpc_run.hit_rate) <= 0.005
+    assert {r.replica_id for r in http_run.results} == {"rep-http"}
+    assert [r.prompt_tokens for r in http_run.results] == [r.prompt_tokens for r in grpc_run.results]
