@@ -201,11 +201,13 @@ class OpenAIApp:
             model, _ = self.backend.model()
             asked = body.get("model")
             if asked not in (None, "", model):
-                raise RpcError(grpc.StatusCode.NOT_FOUND, f"model: {asked!r} is not served here (this server serves {model!r})")
+                raise RpcError(grpc.StatusCode.NOT_FOUND,
+                               f"model: {asked!r} is not served here (this server serves {model!r})")
             contexts = [HttpCallContext(request.headers) for _ in requests]
             method = "POST " + request.url.path
             operation = "chat" if chat else "text_completion"
-            streams = [self.backend.stream(r, c, method=method, operation=operation) for r, c in zip(requests, contexts, strict=True)]
+            streams = [self.backend.stream(r, c, method=method, operation=operation)
+                       for r, c in zip(requests, contexts, strict=True)]
             if not body.get("stream"):
                 finals = await _unless_disconnected(request, _each([concat_deltas(s) for s in streams]))
                 shaper = Shaper(chat=chat, model=model, request_id=finals[0].request_id)

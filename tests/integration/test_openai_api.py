@@ -8,9 +8,12 @@ API. Covered: completions (string, ids, batch) and chat, streaming and not, gree
 gRPC's, usage and cached tokens, every bad input of the gRPC table as a 400 naming the field, a
 100k-token prompt refused before any block is allocated, a disconnect mid-stream freeing the
 replica's blocks, 429 on a full queue, 404 for an unknown model, the router's replica header and
-503 when nothing is routable, chat ids equal between HTTP and gRPC for a corpus of conversations.
+503 when nothing is routable, chat ids equal between HTTP and gRPC for a corpus of conversations,
+/metrics (and the replica's vLLM metric names), ``kvroute up``'s banner and curl example, and
+``kvroute bench``'s replay over the HTTP API against the gRPC one.
 
-One module on purpose: the cluster's start costs more than the tests.
+One module on purpose, hence its length (over 400 lines): every test runs against the one
+module-scoped cluster, whose start costs more than most tests; split, it would start once per file.
 """
 
 from __future__ import annotations
