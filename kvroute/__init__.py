@@ -14,7 +14,9 @@ prompt -> token ids.
 - ``prompt`` + ``tokenizer`` + ``model_folder``: prompt (text, chat, token ids) -> token ids,
   exactly as the replica's engine computes them, without torch.
 - ``grpc_errors``: typed errors and their gRPC status mapping; ``responses``: helpers over
-  response streams; ``process``: running a server process until a signal; ``settings``,
+  response streams; ``openai_api`` (OpenAI JSON <-> our request and response types) and
+  ``openai_http`` (the OpenAI-compatible HTTP app over a process's request path, on uvicorn),
+  which router and replicas both serve; ``process``: running a server process until a signal; ``settings``,
   ``telemetry``: per-process configuration and OpenTelemetry setup; ``v1``: generated protobuf code.
 
 May import: the standard library and third-party packages; never ``router``, ``replica``,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -55,6 +56,7 @@ class ClusterConfig:
     replicas: int = 2
     host: str = "127.0.0.1"
     router_port: int = 50050  # 0 = a free port
+    router_http_port: int = 0  # the router's OpenAI-compatible HTTP API: 0 = a free port, -1 = off
     base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
     redis_url: str = ""  # empty = an embedded redis-server on a free port
     namespace: str = DEFAULT_NAMESPACE
@@ -76,6 +78,8 @@ class ClusterConfig:
             raise ValueError(f"--replicas: must be >= 1, got {self.replicas}")
         if not 0 <= self.router_port < 65536:
             raise ValueError(f"--router-port: must be in 0..65535, got {self.router_port}")
+        if not -1 <= self.router_http_port < 65536:
+            raise ValueError(f"router_http_port: must be -1 (off) or in 0..65535, got {self.router_http_port}")
         if self.base_port and not 0 < self.base_port <= 65536 - self.replicas:
             raise ValueError(f"--base-port: {self.replicas} ports from {self.base_port} do not fit in 1..65535")
         if self.base_port and self.router_port and self.base_port <= self.router_port < self.base_port + self.replicas:
@@ -111,6 +115,7 @@ class LocalCluster:
         self.redis_url = config.redis_url
         self.replicas: list[Child] = []
         self.router: Child | None = None
+        self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -138,6 +143,7 @@ class LocalCluster:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
             router_port, replica_ports = self._ports()
+            http_port = self._http_port([router_port, *replica_ports])
             if self.redis_url:
                 self._check_redis()
             else:
@@ -148,7 +154,7 @@ class LocalCluster:
                 rid = f"replica-{i}"
                 self.replicas.append(Child(rid, self._replica_argv(rid, port), self.log_dir / f"{rid}.log",
                                            target=f"{cfg.dial_host}:{port}").start())
-            self.router = Child("router", self._router_argv(router_port), self.log_dir / "router.log",
+            self.router = Child("router", self._router_argv(router_port, http_port), self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
             self._wait_routable(deadline)
@@ -156,6 +162,23 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _http_port(self, taken: Sequence[int]) -> int:
+        """The router's HTTP port (-1: off); sets ``router_http_url``.
+
+        Raises:
+            ClusterError: the configured port is taken.
+        """
+        cfg = self.config
+        port = cfg.router_http_port
+        if port < 0:
+            return port
+        if port and not port_free(cfg.host, port):
+            raise ClusterError(f"router_http_port: port {port} on {cfg.host} is taken")
+        while not port or port in taken:
+            port = free_port(cfg.dial_host)
+        self.router_http_url = f"http://{cfg.dial_host}:{port}/v1"
+        return port
 
     def _ports(self) -> tuple[int, list[int]]:
         cfg = self.config
@@ -235,10 +258,10 @@ class LocalCluster:
             argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         return argv + list(cfg.replica_args)
 
-    def _router_argv(self, port: int) -> list[str]:
+    def _router_argv(self, port: int, http_port: int) -> list[str]:
         cfg = self.config
-        return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
-                "--namespace", cfg.namespace, *self._model_flags(), *cfg.router_args]
+        return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--http-port", str(http_port),
+                "--redis-url", self.redis_url, "--namespace", cfg.namespace, *self._model_flags(), *cfg.router_args]
 
     def _died(self, child: Child, when: str) -> str:
         tail = child.log_tail()
@@ -322,6 +345,10 @@ class LocalCluster:
             f"{t} kvroute.v1.GenerationService/GenerateStream",
             f"  kvroute bench --target {t} --requests 200",
         ]
+        if self.router_http_url:
+            lines.insert(-4, f"  openai      {self.router_http_url} (the router's OpenAI-compatible HTTP API)")
+            body = json.dumps({"model": Path(self.model_dir).name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
+            lines.append(f"  curl {self.router_http_url}/completions -H 'Content-Type: application/json' -d '{body}'")
         return "\n".join(lines)
 
     # -- stop ------------------------------------------------------------------------------------

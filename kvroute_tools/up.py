@@ -1,7 +1,7 @@
 """``kvroute up``'s command: start the cluster (kvroute_tools.cluster), print the banner, then wait
 for Ctrl-C / SIGTERM, a child's death, or the end of the command given after ``--``, and stop.
 
-    up_main ─▶ LocalCluster.start ─▶ banner ─▶ [CMD with {target} filled in] ─▶ wait ─▶ stop
+    up_main ─▶ LocalCluster.start ─▶ banner ─▶ [CMD with {target} / {http_url} filled in] ─▶ wait ─▶ stop
 
 SIGTERM and SIGINT become an exception in the main thread while it waits; the stop that follows is
 one orderly stop that a second signal cannot cut short.
@@ -29,8 +29,10 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
-    """The command with ``{target}`` (the router's host:port) and ``{redis_url}`` filled in."""
-    return [a.replace("{target}", cluster.router_target).replace("{redis_url}", cluster.redis_url) for a in command]
+    """The command with ``{target}`` (the router's host:port), ``{http_url}`` (its OpenAI-compatible
+    HTTP API, ``http://host:port/v1``) and ``{redis_url}`` filled in."""
+    return [a.replace("{target}", cluster.router_target).replace("{http_url}", cluster.router_http_url)
+            .replace("{redis_url}", cluster.redis_url) for a in command]
 
 
 def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:

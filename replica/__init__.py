@@ -3,7 +3,8 @@
 Job: serve generations from one model with a paged, prefix-cached KV cache, and tell the routers
 what that cache holds.
 Consumes: ``ReplicaService`` / ``GenerationService`` calls (token ids, text or chat; prompts become
-ids with ``kvroute.prompt``, as on the router); settings from flags and ``KVROUTE_*`` variables.
+ids with ``kvroute.prompt``, as on the router) and the same requests over the OpenAI-compatible
+HTTP API (``http_api.py``: ``kvroute.openai_http`` over the same frontend); settings from flags and ``KVROUTE_*`` variables.
 Produces: streamed generations; every engine step's KV events, a heartbeat with load and identity
 (``kvroute.heartbeat``), and cache snapshots in Redis (DESIGN.md §3.3, §4); metrics and spans (§6).
 Guarantees: the engine step loop never blocks the gRPC server; bad input is INVALID_ARGUMENT

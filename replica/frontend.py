@@ -45,6 +45,7 @@ from replica.engine.errors import InvalidRequestError
 from replica.engine.step_hook import StepReport, take_step_sample
 from replica.publisher import EventPublisher, NullEventPublisher
 from replica.telemetry import EngineSample, ReplicaMetrics, RequestSpans
+from replica.vllm_metrics import RequestTotals
 from replica.wire import (
     classify_error,
     delta_response,
@@ -111,6 +112,7 @@ class ReplicaFrontend:
         self._awaiting: dict[str, _Call] = {}
         self._lock = threading.Lock()
         self._sample: EngineSample | None = None
+        self.totals = RequestTotals()  # the per-request counts under vLLM's names (replica.vllm_metrics)
         self._prev_hook_ns = time.time_ns()
         self._draining = False
 
@@ -172,6 +174,11 @@ class ReplicaFrontend:
         if dead is not None:
             raise EngineDeadError(str(dead) if isinstance(dead, EngineDeadError) else f"engine step loop died: {dead!r}")
         return self.engine
+
+    def check_serving(self) -> None:
+        """Raise what a call made now would fail with before its prompt is read: RpcError
+        UNAVAILABLE (loading, draining) or EngineDeadError (the HTTP front's ``/health``)."""
+        self._require_engine()
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt of a public request as token ids (:func:`kvroute.prompt.prompt_ids`, as the
@@ -261,6 +268,7 @@ class ReplicaFrontend:
         completion_tokens = call.completion_tokens if call is not None else 0
         cached_tokens = max(req.num_cached_tokens, 0) if req is not None else 0
         finish = final.finish_reason.value if final is not None and final.finish_reason is not None else None
+        self.totals.record(finish, error[0] if error is not None else None, prompt_tokens, completion_tokens)
         if self.metrics is not None:
             self.metrics.record_request(
                 operation=operation, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

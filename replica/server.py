@@ -1,13 +1,14 @@
-"""The replica process: model + engine + gRPC services + health + reflection + KV event publisher.
+"""The replica process: model + engine + gRPC services + health + reflection + KV event publisher,
+and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
 
-    start():  gRPC up (liveness SERVING, readiness NOT_SERVING)
+    start():  gRPC up (liveness SERVING, readiness NOT_SERVING), HTTP up (/health 503 until ready)
               ─▶ engine_process (default): ProcessLLMEngine.start() spawns the engine process, which
                    loads the model, warms up, starts the publisher and its step hook (ProcessStepHook);
                    this process holds a RemotePublisher (its counters as the step reports show them)
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ grpc stop(grace)
+    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ HTTP and grpc stop(grace)
               ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
 
 The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
@@ -16,7 +17,7 @@ thread of this process it competes with gRPC for the GIL (replica/engine/core_cl
 
 ``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m replica`` and ``kvroute replica``
 call :func:`main`. Tests and benchmarks use :class:`ReplicaServer` directly (``port=0`` binds a free
-port, read back from ``.port``).
+port, read back from ``.port``; ``http_port=0`` likewise, read back from ``.http_port``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
+from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
@@ -48,10 +50,12 @@ from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
+from replica.http_api import replica_http_app
 from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
+from replica.vllm_metrics import VllmMetricsCollector
 from replica.wire import service_names
 
 log = logging.getLogger(__name__)
@@ -157,7 +161,7 @@ class RemotePublisher(EventPublisher):
 class ReplicaServer:
     """One replica's gRPC server over one engine (see the module docstring for the sequence).
 
-    After ``await start()``: ``port`` (bound), ``address`` (advertised), ``replica_id``,
+    After ``await start()``: ``port`` (bound), ``http_port`` (bound; None when off), ``address`` (advertised), ``replica_id``,
     ``engine`` (a ``ProcessLLMEngine`` with ``engine_process``, else an ``AsyncLLMEngine`` whose
     ``.engine`` is the ``LLMEngine``), ``frontend``, ``publisher`` (an ``EventPublisher``: a
     :class:`RemotePublisher` with ``engine_process``, else the one ``make_publisher`` made).
@@ -173,7 +177,10 @@ class ReplicaServer:
         self.publisher: EventPublisher = NullEventPublisher()
         self.frontend: ReplicaFrontend | None = None
         self.model_name = ""
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
+        self._vllm_metrics: VllmMetricsCollector | None = None  # registered while this replica runs
         self._health = health.aio.HealthServicer()
         self._watchdog: asyncio.Task | None = None
         self._stop = StopOnce()
@@ -210,6 +217,10 @@ class ReplicaServer:
         self.frontend = frontend = ReplicaFrontend(
             replica_id=self.replica_id, max_waiting=s.max_waiting, publishing=bool(s.redis_url), tracer=tracer
         )
+        if s.http_port >= 0:  # bound now: a taken port fails before anything starts
+            app = replica_http_app(frontend, self.telemetry).app
+            self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
+            self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
         replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -220,6 +231,8 @@ class ReplicaServer:
         await self._health.set(LIVENESS, _SERVING)
         await server.start()
         log.info("replica %s: gRPC on %s:%d, loading the model", self.replica_id, s.host, self.port)
+        if self._http is not None:
+            await self._http.start()
         try:
             if s.engine_process:
                 info = await self._start_engine_process(frontend)
@@ -240,6 +253,9 @@ class ReplicaServer:
         )
 
     def _make_metrics(self, frontend: ReplicaFrontend) -> None:
+        if self.telemetry is not None and self.telemetry.registry is not None:
+            self._vllm_metrics = VllmMetricsCollector(frontend, self.model_name)
+            self.telemetry.registry.register(self._vllm_metrics)
         if self.telemetry is not None:
             # A replica that does not publish exports no event counters (rather than zeros).
             stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
@@ -305,6 +321,8 @@ class ReplicaServer:
                 n = self.frontend.drain()
                 if n:
                     log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
+            if self._http is not None:
+                await self._http.stop(grace)
             if self._server is not None:
                 await self._server.stop(grace)
             if self._watchdog is not None:
@@ -314,6 +332,8 @@ class ReplicaServer:
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown, 2.0)
             await asyncio.to_thread(self.publisher.close)
+            if self._vllm_metrics is not None and self.telemetry is not None:
+                self.telemetry.registry.unregister(self._vllm_metrics)
         finally:
             self._stop.end()
             log.info("replica %s stopped", self.replica_id)

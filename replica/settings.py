@@ -21,6 +21,7 @@ class ReplicaSettings:
     port: int = setting(50051, "gRPC port (0 = pick a free one)")
     advertise_address: str = setting("", "host:port the router dials (default host:port)")
     replica_id: str = setting("", "unique id in the cluster (default hostname-port)")
+    http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")

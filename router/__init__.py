@@ -4,7 +4,8 @@ Job: pick, for each request, the replica with the lowest estimated time to first
 cached prefix and load, and proxy the generation there.
 Consumes: the replicas' KV event streams, heartbeats (kvroute.heartbeat) and snapshots
 (kvroute.snapshot) in Redis (kvroute.redis_layout), replica discovery (static list, Redis
-heartbeats, Kubernetes EndpointSlices), and client requests (text, chat or token ids).
+heartbeats, Kubernetes EndpointSlices), and client requests (text, chat or token ids; gRPC, or
+OpenAI-compatible HTTP).
 Produces: the proxied response stream with the chosen replica and the predicted cached tokens;
 ``RouterService.Score`` decisions as data; its in-flight load per replica, shared with other routers.
 Guarantees: the index equals the union of the replicas' cached sets within seconds of any event
@@ -22,6 +23,9 @@ May import: ``kvroute`` (the contract) and third-party libraries; never ``replic
 Modules: ``index`` (pure data structure), ``registry`` (replica states, no I/O), ``consumer``
 (the Redis I/O thread), ``consumer_feed`` (what it read, through kvroute.ordering into the index;
 no I/O), ``discovery`` (static / redis / kubernetes), prompts -> token ids through ``kvroute.prompt`` (as
-the replicas do), ``scoring`` (cost model and the baseline policies), ``policies`` (re-implemented peer policies: SGLang, llm-d, Dynamo, consistent hashing with bounded load), ``load`` (in-flight accounting), ``core`` (hash +
-lookup + score + pick), ``proxy`` (the request path), ``channels`` (replica channels), ``servicers`` / ``server`` (gRPC), ``settings``, ``telemetry``.
+the replicas do), ``scoring`` (cost model and the baseline policies), ``policies`` (re-implemented
+peer policies: SGLang, llm-d, Dynamo, consistent hashing with bounded load), ``load`` (in-flight
+accounting), ``core`` (hash + lookup + score + pick), ``proxy`` (the request path), ``channels``
+(replica channels), ``servicers`` / ``server`` (gRPC), ``http_api`` (the OpenAI-compatible HTTP
+front over the same proxy), ``settings``, ``telemetry``.
 """

@@ -1,15 +1,16 @@
 """The router process: consumer + index + registry + discovery + load sync + gRPC proxy, health,
-reflection and telemetry (DESIGN.md §5, §6).
+reflection and telemetry (DESIGN.md §5, §6), and the OpenAI-compatible HTTP API (``http_port``;
+router.http_api).
 
     start():  tokenizer (the replicas' model folder) ─▶ gRPC up (liveness SERVING, readiness
-              NOT_SERVING) ─▶ consumer, discovery, load sync threads ─▶ readiness / "" / service
+              NOT_SERVING), HTTP up (/health 503 until ready) ─▶ consumer, discovery, load sync threads ─▶ readiness / "" / service
               names SERVING once the consumer has bootstrapped (every stream read to its end)
-    stop():   every status NOT_SERVING ─▶ grpc stop(grace) (in-flight calls are cancelled after it,
+    stop():   every status NOT_SERVING ─▶ HTTP stop(grace), grpc stop(grace) (in-flight calls are cancelled after it,
               which cancels their upstream calls) ─▶ replica channels closed ─▶ threads stopped
 
 ``serve(settings)`` runs that until SIGTERM or SIGINT; ``python -m router`` and ``kvroute router``
 call :func:`main`. Tests and benchmarks use :class:`RouterServer` (``port=0`` binds a free port,
-read back from ``.port``) or :class:`BackgroundRouter` (the same on its own event-loop thread).
+read back from ``.port``; ``http_port=0`` likewise, ``.http_port``) or :class:`BackgroundRouter` (the same on its own event-loop thread).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
+from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_layout import RedisLayout
@@ -36,6 +38,7 @@ from router import index as index_module
 from router.consumer import EventConsumer
 from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
+from router.http_api import router_http_app
 from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
 from router.proxy import Proxy
@@ -77,7 +80,7 @@ def make_discovery(settings: RouterSettings, registry: ReplicaRegistry) -> Disco
 class RouterServer:
     """One router's gRPC server and the machinery behind it (see the module docstring).
 
-    After ``await start()``: ``port`` (bound), ``router_id``, ``router`` (core.Router), ``proxy``,
+    After ``await start()``: ``port`` (bound), ``http_port`` (bound; None when off), ``router_id``, ``router`` (core.Router), ``proxy``,
     ``index``, ``registry``, ``consumer``, ``load``, ``discovery``, ``tokenizer``.
     """
 
@@ -96,7 +99,9 @@ class RouterServer:
         self.router: Router | None = None
         self.proxy: Proxy | None = None
         self.metrics: RouterMetrics | None = None
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
         self._health = health.aio.HealthServicer()
         self._ready_task: asyncio.Task | None = None
         self._threads: list[Any] = []  # started parts with a stop(): consumer, discovery, load sync
@@ -162,6 +167,10 @@ class RouterServer:
             self.router, self.tokenizer, policy_factory=self.policy,
             max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
         )
+        if s.http_port >= 0:  # bound now: a taken port fails before anything starts
+            app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
+            self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
+            self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -169,6 +178,8 @@ class RouterServer:
         await self._set_all(_NOT_SERVING)
         await self._health.set(LIVENESS, _SERVING)
         await server.start()
+        if self._http is not None:
+            await self._http.start()
         for part in (self.consumer, self.discovery, self.load_sync):
             part.start()
             self._threads.append(part)
@@ -208,6 +219,8 @@ class RouterServer:
             return
         try:
             await self._health.enter_graceful_shutdown()
+            if self._http is not None:
+                await self._http.stop(grace)
             if self._server is not None:
                 await self._server.stop(grace)
             if self._ready_task is not None:

@@ -26,6 +26,8 @@ class BenchConfig:
     out: str | None = None
     request_timeout: float = 300.0
     progress: bool = True
+    api: str = "grpc"  # "openai": the requests go through http_url's OpenAI-compatible API
+    http_url: str = ""  # with api="openai": http://host:port/v1 (the router's HTTP API)
 
     def __post_init__(self) -> None:
         if self.requests is not None and self.requests < 1:
@@ -46,6 +48,10 @@ class BenchConfig:
             raise ValueError(f"--policies: a policy is listed twice ({','.join(self.policies)})")
         if self.interleave < 0:
             raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
+        if self.api not in ("grpc", "openai"):
+            raise ValueError(f"--api: expected grpc or openai, got {self.api!r}")
+        if self.api == "openai" and not self.http_url.startswith(("http://", "https://")):
+            raise ValueError(f"--http-url: --api openai needs the HTTP API's URL (http://host:port/v1), got {self.http_url!r}")
         if self.request_timeout <= 0:
             raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
 
@@ -53,6 +59,7 @@ class BenchConfig:
     def mode(self) -> str:
         """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
         turns = f"; policies take turns every {self.interleave} requests" if self.interleave else ""
+        turns += f"; over the OpenAI-compatible API at {self.http_url}" if self.api == "openai" else ""
         if self.time_scale is None:
             return f"closed loop, concurrency {self.effective_concurrency}{turns}"
         cap = f", at most {self.concurrency} in flight" if self.concurrency else ""

@@ -28,6 +28,15 @@ class RequestResult:
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
 
+    def measured(self, t0: float, first: float | None, last: float | None, prompt_tokens: int,
+                 completion_tokens: int, cached_tokens: int) -> None:
+        """Record a finished request's usage and timings: sent at ``t0``, first and last token
+        seen at ``first`` / ``last`` (``time.perf_counter`` seconds; None: no token seen)."""
+        self.ttft_s = (first - t0) if first is not None else None
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
+        if completion_tokens > 1 and first is not None and last is not None:
+            self.tpot_s = (last - first) / (completion_tokens - 1)
+
 
 @dataclass
 class PolicyResult:

@@ -49,6 +49,7 @@ from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
 from kvroute_tools.bench.config import BenchConfig
+from kvroute_tools.bench.openai_send import OpenAISender
 from kvroute_tools.bench.plan import PlannedRequest, plan_requests
 from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report, write_outputs
 from kvroute_tools.client import describe_rpc_error
@@ -64,14 +65,18 @@ class BenchError(Exception):
 class _Cluster:
     """The router's stubs and the replicas' (addresses from ``Score``)."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, openai: OpenAISender | None = None):
         self.target = target
         self.channel = grpc.aio.insecure_channel(target)
         self.gen = gen_grpc.GenerationServiceStub(self.channel)
         self.router = router_grpc.RouterServiceStub(self.channel)
         self._replica_channels: dict[str, grpc.aio.Channel] = {}
+        self.openai = openai  # --api openai: the requests go there (SetPolicy and counters stay gRPC)
+        self.model = ""
 
     async def close(self) -> None:
+        if self.openai is not None:
+            await self.openai.close()
         for ch in [self.channel, *self._replica_channels.values()]:
             await ch.close(grace=None)
 
@@ -106,6 +111,8 @@ class _Cluster:
 
 
 async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, timeout: float) -> RequestResult:
+    if cluster.openai is not None:
+        return await cluster.openai.send(p, salt, cluster.model, timeout)
     req = gen_pb.GenerateRequest(
         request_id=f"bench-{run_id}-{p.index}",
         token_ids=gen_pb.TokenIds(ids=p.token_ids),
@@ -131,11 +138,8 @@ async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, ti
     if final is None:
         res.error = "the stream ended without a final message"
         return res
-    res.ttft_s = (first - t0) if first is not None else None
     u = final.usage
-    res.prompt_tokens, res.completion_tokens, res.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
-    if u.completion_tokens > 1 and first is not None and last is not None:
-        res.tpot_s = (last - first) / (u.completion_tokens - 1)
+    res.measured(t0, first, last, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
     res.replica_id = final.routing.replica_id
     res.predicted_cached_tokens = final.routing.predicted_cached_tokens
     return res
@@ -255,10 +259,11 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
         raise BenchError(f"--trace: {e}") from e
     if not trace:
         raise BenchError(f"--trace: {cfg.trace} holds no request")
-    cluster = _Cluster(cfg.target)
+    cluster = _Cluster(cfg.target, OpenAISender(cfg.http_url) if cfg.api == "openai" else None)
     try:
         try:
             info = await cluster.gen.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_RPC_TIMEOUT_S)
+            cluster.model = info.model
             replicas, lines, original_policy = await cluster.replicas()
         except grpc.aio.AioRpcError as e:
             raise BenchError(describe_rpc_error(e, cfg.target)) from e
