@@ -127,7 +127,8 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             tokens_per_block=args.tokens_per_block, output_scale=args.output_scale,
             max_output_tokens=args.max_output_tokens, time_scale=args.time_scale, concurrency=args.concurrency,
             policies=tuple(s.strip() for s in args.policies.split(",")), interleave=args.interleave, out=args.out,
-            request_timeout=args.request_timeout, progress=not args.no_progress,
+            request_timeout=args.request_timeout, progress=not args.no_progress, api=args.api,
+            http_url=args.http_url,
         )
     except ValueError as e:
         p.error(str(e))
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write bench.json and bench.png into this folder")
     b.add_argument("--request-timeout", type=float, default=300.0, help="deadline per request, seconds")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--api", default="grpc", choices=("grpc", "openai"),
+                   help="send the replay over gRPC (default) or the router's OpenAI-compatible HTTP API")
+    b.add_argument("--http-url", default="", help="with --api openai: the router's HTTP API, http://HOST:PORT/v1")
     b.set_defaults(func=_bench, check=_check_bench)
     return p
 
