@@ -25,10 +25,9 @@ $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_pa
 # the bundled Mooncake trace replayed under kvroute's policy and round robin (taking turns every 200
 # requests), the table, a clean shutdown. Sized for a 2-core box (README, "make run"): 16 tokens per
 # trace block (~430-token prompts), output x0.02 (~7 tokens), 16 requests in flight, 14,336 KV blocks
-# per replica (both policies' working sets), prefill work weighted 5x (the replicas share the cores).
+# per replica (both policies' working sets); the router's default weights.
 run: venv
-	$(PY) -m kvroute_tools up --replicas 4 --router-port 0 --num-blocks 14336 \
-	  --router-args "--prefill-work-weight 5" -- \
+	$(PY) -m kvroute_tools up --replicas 4 --router-port 0 --num-blocks 14336 -- \
 	  $(PY) -m kvroute_tools bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
 	  --concurrency 16 --interleave 200 --policies kvroute,round_robin
 

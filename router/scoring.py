@@ -14,7 +14,7 @@ and picks the lowest cost; exact ties are broken at random (seeded), never by li
 Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
 being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
 (528 tokens), so TTFT alone sends it to R2, and a burst ends up computing its prefix once per
-replica. Charging the prefill a request adds to the cluster (weight 1 by default) keeps the burst
+replica. Charging the prefill a request adds to the cluster (weight 5 by default) keeps the burst
 on the replica that already holds or is computing the prefix, until its queue outgrows the work
 saved, which is also when the cached replica really is the slower choice.
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
@@ -37,9 +37,11 @@ class ScoringWeights:
 
     prefill_tokens_per_s: float = 20000.0  # a replica's prefill throughput estimate
     decode_seconds_per_running: float = 0.002  # TTFT added per running sequence (decode interference)
-    prefill_work_weight: float = 1.0  # weight of the prefill work this request adds to the cluster
+    # 5 and 0.5 were chosen on `kvroute simulate` (8-64 modelled H100 replicas, caches under pressure)
+    # and on `make run` (4 CPU replicas on 2 cores): one default for both (README, "Simulating a cluster").
+    prefill_work_weight: float = 5.0  # weight of the prefill work this request adds to the cluster
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
-    kv_usage_weight: float = 0.0  # seconds added at 100% KV usage
+    kv_usage_weight: float = 0.5  # seconds added at 100% KV usage
     in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
 
     def __post_init__(self) -> None:
