@@ -37,11 +37,13 @@ class ScoringWeights:
 
     prefill_tokens_per_s: float = 20000.0  # a replica's prefill throughput estimate
     decode_seconds_per_running: float = 0.002  # TTFT added per running sequence (decode interference)
-    # 5 and 0.5 were chosen on `kvroute simulate` (8-64 modelled H100 replicas, caches under pressure)
-    # and on `make run` (4 CPU replicas on 2 cores): one default for both (README, "Simulating a cluster").
+    # 5: chosen on `kvroute simulate` (8-64 modelled H100 replicas) and on `make run` (4 CPU replicas
+    # on 2 cores), one default for both (README, "Simulating a cluster").
     prefill_work_weight: float = 5.0  # weight of the prefill work this request adds to the cluster
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
-    kv_usage_weight: float = 0.5  # seconds added at 100% KV usage
+    # Off by default: the usage it reads is the last heartbeat's, so for a short prompt a replica that
+    # was busy a moment ago loses its prefix to an idle one (README, "Simulating a cluster").
+    kv_usage_weight: float = 0.0  # seconds added at 100% KV usage
     in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
 
     def __post_init__(self) -> None:
