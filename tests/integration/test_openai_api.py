@@ -35,7 +35,6 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
-from kvroute_tools.redis_server import RedisServer
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
@@ -49,12 +48,6 @@ SIDES = ("replica", "router")
 
 
 # -- the cluster ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def replica(redis_server, default_model_dir):
     telemetry = setup_telemetry("kvroute-replica-openai-test", 0, otlp=False)  # a Prometheus registry

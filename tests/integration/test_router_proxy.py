@@ -38,7 +38,7 @@ from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from kvroute_tools.redis_server import RedisServer, free_port
+from kvroute_tools.redis_server import free_port
 from replica.publisher import RedisEventPublisher
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
@@ -62,12 +62,6 @@ def ids_request(ids, sampling=GREEDY, **kw) -> gen_pb.GenerateRequest:
 
 
 # -- the cluster ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def spans():
     return InMemorySpanExporter()

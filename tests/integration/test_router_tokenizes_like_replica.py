@@ -19,7 +19,6 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from kvroute_tools.redis_server import RedisServer
 from replica.model.default_model import DEFAULT_MODEL_DIRNAME
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
@@ -77,12 +76,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
