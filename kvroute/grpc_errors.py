@@ -42,10 +42,15 @@ class RpcError(Exception):
         self.message = message
 
 
-def _status_of(exc: BaseException, classify: Classifier | None) -> tuple[grpc.StatusCode, str]:
+def _classified(exc: BaseException, classify: Classifier | None) -> tuple[grpc.StatusCode, str] | None:
+    """The status an exception maps to: an :class:`RpcError`'s own, else the classifier's (None: a bug)."""
     if isinstance(exc, RpcError):
         return exc.code, exc.message
-    mapped = classify(exc) if classify is not None else None
+    return classify(exc) if classify is not None else None
+
+
+def _status_of(exc: BaseException, classify: Classifier | None) -> tuple[grpc.StatusCode, str]:
+    mapped = _classified(exc, classify)
     if mapped is not None:
         return mapped
     log.exception("unhandled error in a gRPC method", exc_info=exc)
@@ -59,20 +64,21 @@ def deadline_expired(context: grpc.aio.ServicerContext) -> bool:
 
 
 def call_outcome(
-    exc: BaseException, context: grpc.aio.ServicerContext, classify: Classifier | None = None
+    exc: BaseException, context: grpc.aio.ServicerContext | None, classify: Classifier | None = None
 ) -> tuple[str, str]:
     """(status name, message) of a call that ended with ``exc``, for its metrics and spans.
 
     ``asyncio.CancelledError`` / ``GeneratorExit`` (the handler was cancelled, or abandoned
-    mid-stream): ``DEADLINE_EXCEEDED`` when the deadline has passed, else ``CANCELLED``. Otherwise
+    mid-stream): ``DEADLINE_EXCEEDED`` when the deadline of ``context`` has passed (None: a call
+    without one), else ``CANCELLED``. Otherwise
     what :func:`error_boundary` makes of it: an :class:`RpcError`'s status, the classifier's, or
     ``INTERNAL``.
     """
     if not isinstance(exc, Exception):
-        return ("DEADLINE_EXCEEDED", "deadline expired") if deadline_expired(context) else ("CANCELLED", "cancelled by the client")
-    if isinstance(exc, RpcError):
-        return exc.code.name, exc.message
-    mapped = classify(exc) if classify is not None else None
+        if context is not None and deadline_expired(context):
+            return "DEADLINE_EXCEEDED", "deadline expired"
+        return "CANCELLED", "cancelled by the client"
+    mapped = _classified(exc, classify)
     if mapped is None:
         return "INTERNAL", f"{type(exc).__name__}: {exc}"
     return mapped[0].name, mapped[1]
@@ -85,7 +91,7 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
     once when the call ends)."""
 
     def decorate(fn: Callable) -> Callable:
-        if inspect.isasyncgenfunction(fn) or not inspect.iscoroutinefunction(fn):
+        if not inspect.iscoroutinefunction(fn):  # an async generator, or a def returning an iterator
 
             @functools.wraps(fn)
             async def stream(self, request, context):

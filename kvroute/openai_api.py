@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvroute.prompt import InvalidRequestError
+from kvroute.responses import FINISH_REASONS
 from kvroute.v1 import generation_pb2 as gen_pb
-
-_FINISH = {gen_pb.FINISH_REASON_STOP: "stop", gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_ABORT: "abort"}
 
 # Fields that would change the answer and that we do not implement: accepted only at these values.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -240,7 +239,7 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def _choice(self, index: int, resp: gen_pb.GenerateResponse, *, chunk: bool, first: bool = False) -> dict[str, Any]:
-        finish = _FINISH.get(resp.finish_reason)
+        finish = FINISH_REASONS.get(resp.finish_reason)
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = _stop_reason(resp)  # vLLM's extension: the matched stop

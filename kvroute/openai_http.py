@@ -178,7 +178,7 @@ class OpenAIApp:
         ])
 
     def _error(self, exc: BaseException, *, chat: bool) -> JSONResponse:
-        code, message = call_outcome(exc, HttpCallContext({}), self.backend.classify)
+        code, message = call_outcome(exc, None, self.backend.classify)
         status, body = error_response(code, message, chat=chat)
         return JSONResponse(body, status_code=status)
 
@@ -247,7 +247,7 @@ class OpenAIApp:
             if include_usage:
                 yield _sse(shaper.usage_chunk(finals))
         except Exception as exc:  # noqa: BLE001 - the status is sent: the error goes in the stream
-            code, message = call_outcome(exc, HttpCallContext({}), self.backend.classify)
+            code, message = call_outcome(exc, None, self.backend.classify)
             yield _sse(error_response(code, message, chat=chat)[1])
         finally:
             await self._close(streams)

@@ -111,10 +111,18 @@ def run_main(
     return 0
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+"""Bind addresses that mean every interface."""
+
+
+def dial_host(host: str) -> str:
+    """The host to dial on this machine for a server bound to ``host`` (a wildcard: 127.0.0.1)."""
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+
 def dial_target(host: str, port: int | None) -> str:
-    """``host:port`` to dial on this machine for a server bound to ``host`` (a wildcard or empty
-    bind address is dialled as 127.0.0.1)."""
-    return f"{host if host not in ('0.0.0.0', '::', '') else '127.0.0.1'}:{port}"
+    """``host:port`` to dial on this machine for a server bound to ``host:port``."""
+    return f"{dial_host(host)}:{port}"
 
 
 class StopOnce:

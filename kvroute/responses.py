@@ -7,6 +7,13 @@ from collections.abc import AsyncIterator
 
 from kvroute.v1 import generation_pb2 as gen_pb
 
+FINISH_REASONS = {
+    gen_pb.FINISH_REASON_STOP: "stop",
+    gen_pb.FINISH_REASON_LENGTH: "length",
+    gen_pb.FINISH_REASON_ABORT: "abort",
+}
+"""A finished response's ``finish_reason`` by name (OpenAI's spelling, and the CLI's)."""
+
 
 async def concat_deltas(deltas: AsyncIterator[gen_pb.GenerateResponse]) -> gen_pb.GenerateResponse:
     """A stream of deltas as one unary response: all token ids, the full text, and the final

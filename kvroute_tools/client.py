@@ -18,17 +18,13 @@ from typing import TextIO
 
 import grpc
 
+from kvroute import responses
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50050"
 
-FINISH_REASONS = {
-    gen_pb.FINISH_REASON_UNSPECIFIED: "unfinished",
-    gen_pb.FINISH_REASON_STOP: "stop",
-    gen_pb.FINISH_REASON_LENGTH: "length",
-    gen_pb.FINISH_REASON_ABORT: "abort",
-}
+FINISH_REASONS = {gen_pb.FINISH_REASON_UNSPECIFIED: "unfinished", **responses.FINISH_REASONS}
 
 
 def parse_target(target: str) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from kvroute.process import dial_host
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
@@ -99,7 +100,7 @@ class ClusterConfig:
 
     @property
     def dial_host(self) -> str:
-        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return dial_host(self.host)
 
 
 

@@ -40,7 +40,7 @@ from kvroute.events import KVCacheEvent
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
-from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
+from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
@@ -208,7 +208,7 @@ class ReplicaServer:
         self.port = server.add_insecure_port(f"{s.host}:{s.port}")
         if not self.port:
             raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
-        wildcard = s.host in ("", "0.0.0.0", "::")
+        wildcard = s.host in WILDCARD_HOSTS
         self.address = s.advertise_address or f"{socket.gethostname() if wildcard else s.host}:{self.port}"
         self.replica_id = s.replica_id or f"{socket.gethostname()}-{self.port}"
         tracer = None
