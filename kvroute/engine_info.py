@@ -44,11 +44,6 @@ class EngineInfo:
         """Every id that ends a generation: ``eos_token_id`` first, then the extra ones."""
         return ((self.eos_token_id,) if self.eos_token_id is not None else ()) + self.extra_eos_token_ids
 
-    @property
-    def hash_identity(self) -> tuple[str, str, int]:
-        """(hash algorithm, seed digest, block_size), as ``BlockHasher.identity`` gives it."""
-        return self.hash_algorithm, self.hash_seed_digest, self.block_size
-
     def to_proto(self) -> gen_pb.ModelInfo:
         """The ``GetModelInfo`` answer."""
         return gen_pb.ModelInfo(

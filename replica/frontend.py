@@ -222,10 +222,7 @@ class ReplicaFrontend:
             if rid in self._calls:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
             req = engine.make_request(self.prompt_ids(request), params, rid, request.cache_salt or None)
-            # The scheduler's queue as of the last step (preempted requests included), or what
-            # was submitted since and not admitted yet, whichever is longer.
-            sample = self._sample
-            queued = max(sample.waiting if sample is not None else 0, len(self._awaiting))
+            queued = self.queued()  # preempted requests included
             if queued >= self.max_waiting:
                 raise RpcError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -296,12 +293,18 @@ class ReplicaFrontend:
         self.engine.abort(request_id)
         return True
 
+    def queued(self) -> int:
+        """Requests waiting for admission: the scheduler's queue as of the last step (preempted
+        requests included), or the calls submitted since that no step has admitted yet, whichever
+        is longer."""
+        sample = self._sample
+        return max(sample.waiting if sample is not None else 0, len(self._awaiting))
+
     def load(self) -> rep_pb.Load:
         """``GetLoad``'s answer. Raises RpcError UNAVAILABLE while loading."""
         if self.engine is None:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is loading its model")
-        s = self._sample or EngineSample()
-        return load_response(self.replica_id, s, max(s.waiting, len(self._awaiting)))
+        return load_response(self.replica_id, self._sample or EngineSample(), self.queued())
 
     def model_info(self) -> gen_pb.ModelInfo:
         """``GetModelInfo``'s answer (``EngineInfo.to_proto``). Raises RpcError UNAVAILABLE while loading."""

@@ -66,6 +66,9 @@ from kvroute.telemetry import (
     start_server_span,
 )
 
+CLIENT_GAVE_UP = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
+"""Statuses of a call its client gave up on: counted as ``abort``, as vLLM counts such a request."""
+
 
 @dataclass(frozen=True)
 class EngineSample:
@@ -219,8 +222,8 @@ class ReplicaMetrics:
         self.generation_tokens.add(completion_tokens, attrs)
         if error_type is None:
             outcome = finish_reason or "none"
-        elif error_type in ("CANCELLED", "DEADLINE_EXCEEDED"):
-            outcome = "abort"  # as vLLM counts a request its client gave up on
+        elif error_type in CLIENT_GAVE_UP:
+            outcome = "abort"
         else:
             outcome = "error"
         self.requests_finished.add(1, {**attrs, "finish_reason": outcome})

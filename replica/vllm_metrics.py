@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from replica.telemetry import CLIENT_GAVE_UP
+
 if TYPE_CHECKING:
     from replica.frontend import ReplicaFrontend
 
@@ -51,7 +53,7 @@ class RequestTotals:
         name ``error_type``. A call its client gave up on (CANCELLED, DEADLINE_EXCEEDED) counts as
         ``abort``, as vLLM counts it; a refused or failed one counts no success. Its prompt counts
         once it produced a token or finished."""
-        if finish_reason is None and error_type in ("CANCELLED", "DEADLINE_EXCEEDED"):
+        if finish_reason is None and error_type in CLIENT_GAVE_UP:
             finish_reason = "abort"
         if finish_reason in self.finished:
             self.finished[finish_reason] += 1
@@ -72,11 +74,10 @@ class VllmMetricsCollector(Collector):
         names = ["model_name", "engine"]
         s = fe.latest_sample()
         if s is not None and fe.engine is not None:
-            load = fe.load()
             for name, doc, value in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", load.running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load.waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", load.kv_usage),
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", s.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", fe.queued()),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
             ):
                 gauge = GaugeMetricFamily(name, doc, labels=names)
                 gauge.add_metric(labels, value)

@@ -22,7 +22,7 @@ from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 from replica.attention.torch_backend import TorchAttentionBackend
 from replica.model.config import ModelConfig
-from replica.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from replica.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "LayerInputs",
@@ -32,11 +32,8 @@ __all__ = [
     "LlamaMLP",
     "LlamaModel",
     "RMSNorm",
-    "RotaryEmbedding",
-    "apply_rotary",
     "linear_t",
     "rms_norm",
-    "rope_inv_freq",
 ]
 
 _MAX_NAMES_IN_ERROR = 12
