@@ -185,11 +185,17 @@ class KVRoutePolicy(Policy):
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
         costs = self.costs(cands, req)
         scored = [Scored(c, cost) for c, cost in zip(cands, costs, strict=True)]
-        if not scored:
-            return None, scored
-        best = min(costs)
-        ties = [s.candidate for s in scored if s.cost == best]
-        return (ties[0] if len(ties) == 1 else self.rng.choice(ties)), scored
+        return pick_lowest(scored, self.rng), scored
+
+
+def pick_lowest(scored: Sequence[Scored], rng: random.Random) -> Candidate | None:
+    """The candidate of lowest cost; exact ties at random, never by list position (None when there
+    is no candidate). A single best draws nothing from ``rng``."""
+    if not scored:
+        return None
+    best = min(s.cost for s in scored)
+    ties = [s.candidate for s in scored if s.cost == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 class RoundRobinPolicy(Policy):

@@ -21,8 +21,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from router.policies._ties import pick_lowest
-from router.scoring import Candidate, Policy, RequestShape, Scored
+from router.scoring import Candidate, Policy, RequestShape, Scored, pick_lowest
 
 
 class DynamoKVPolicy(Policy):

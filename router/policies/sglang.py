@@ -24,8 +24,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from router.policies._ties import pick_lowest
-from router.scoring import Candidate, Policy, RequestShape, Scored
+from router.scoring import Candidate, Policy, RequestShape, Scored, pick_lowest
 
 
 class SGLangCacheAwarePolicy(Policy):
