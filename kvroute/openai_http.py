@@ -56,8 +56,8 @@ class HttpCallContext:
     request headers as invocation metadata (W3C trace context), no deadline, and the trailing
     metadata the path sets (returned as response headers)."""
 
-    def __init__(self, headers: Mapping[str, str]) -> None:
-        self._metadata = tuple((k.lower(), v) for k, v in headers.items())
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata  # the request headers, names lower-cased (:func:`header_metadata`)
         self.trailing: tuple[tuple[str, str], ...] = ()
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -68,6 +68,11 @@ class HttpCallContext:
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         self.trailing = tuple(metadata)
+
+
+def header_metadata(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """HTTP request headers as gRPC invocation metadata (names lower-cased)."""
+    return tuple((k.lower(), v) for k, v in headers.items())
 
 
 class OpenAIBackend(Protocol):
@@ -203,7 +208,8 @@ class OpenAIApp:
             if asked not in (None, "", model):
                 raise RpcError(grpc.StatusCode.NOT_FOUND,
                                f"model: {asked!r} is not served here (this server serves {model!r})")
-            contexts = [HttpCallContext(request.headers) for _ in requests]
+            metadata = header_metadata(request.headers)  # once: every prompt of a batch shares it
+            contexts = [HttpCallContext(metadata) for _ in requests]
             method = "POST " + request.url.path
             operation = "chat" if chat else "text_completion"
             streams = [self.backend.stream(r, c, method=method, operation=operation)
