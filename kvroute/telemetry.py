@@ -124,7 +124,7 @@ def setup_telemetry(
     service_name: str,
     metrics_port: int | None = None,
     *,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = "127.0.0.1",
     otlp: bool | None = None,
     span_exporters: Iterable[SpanExporter] = (),
     metric_readers: Iterable[MetricReader] = (),
@@ -137,6 +137,7 @@ def setup_telemetry(
         service_name: the ``service.name`` resource attribute (``kvroute-replica``, ``kvroute-router``).
         metrics_port: serve Prometheus text on this port (0 = a free one, read back from
             ``Telemetry.metrics_port``); ``None`` or negative = no endpoint.
+        metrics_host: the endpoint's listen address (``0.0.0.0`` = every interface).
         otlp: export metrics and traces with OTLP/gRPC; ``None`` = when ``otlp_configured()``.
         span_exporters: extra span exporters, each behind a ``SimpleSpanProcessor`` (tests).
         metric_readers: extra metric readers (tests pass an ``InMemoryMetricReader``).
