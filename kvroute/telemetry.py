@@ -54,8 +54,11 @@ OTLP_ENDPOINT_VARIABLES = (
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
-# Span and metric attributes: the GenAI semantic conventions' names, and kvroute's request id.
+# Span and metric attributes: the GenAI semantic conventions' names, and kvroute's request id and
+# replica id (the replica a router metric is about, or the replica that exports a replica metric:
+# Prometheus label ``kvroute_replica_id`` on both sides, so one dashboard variable selects both).
 ATTR_REQUEST_ID = "kvroute.request_id"
+ATTR_REPLICA = "kvroute.replica_id"
 ATTR_OPERATION = "gen_ai.operation.name"
 ATTR_MODEL = "gen_ai.request.model"
 ATTR_TOKEN_TYPE = "gen_ai.token.type"
@@ -232,6 +235,7 @@ __all__ = [
     "ATTR_MODEL",
     "ATTR_OPERATION",
     "ATTR_OUTPUT_TOKENS",
+    "ATTR_REPLICA",
     "ATTR_REQUEST_ID",
     "ATTR_TOKEN_TYPE",
     "REQUEST_DURATION_BUCKETS",

@@ -200,7 +200,7 @@ def test_replica_metrics_read_the_latest_engine_sample_and_count_cancels_as_abor
     try:
         sample = EngineSample(running=3, waiting=2, kv_usage=0.25, prefix_cache_queries=106, prefix_cache_hits=48,
                               preemptions=1)
-        metrics = ReplicaMetrics(telemetry.meter("kvroute.replica"), model="m", sample=lambda: sample)
+        metrics = ReplicaMetrics(telemetry.meter("kvroute.replica"), model="m", replica_id="r-7", sample=lambda: sample)
         metrics.record_request(operation="text_completion", prompt_tokens=10, completion_tokens=0, ttft_s=None,
                                duration_s=0.5, finish_reason=None, error_type="CANCELLED")
         points = {}
@@ -219,6 +219,7 @@ def test_replica_metrics_read_the_latest_engine_sample_and_count_cancels_as_abor
         (finished,) = [k for k in points if k[0] == "kvroute.replica.requests.finished"]
         assert ("finish_reason", "abort") in finished[1]
         assert "gen_ai.server.time_to_first_token" not in values  # successful responses only
+        assert {dict(attrs).get("kvroute.replica_id") for _, attrs in points} == {"r-7"}  # on every point
         assert values["gen_ai.server.request.duration"].count == 1
     finally:
         telemetry.shutdown()
