@@ -14,10 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -88,16 +88,6 @@ def _in_groups(pgids: set[int]) -> list[str]:
     return found
 
 
-def _samples(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
-
-
 def _check_metrics(banner: str, summary: str) -> None:
     """Each process line of the banner ends with its metrics address; each serves that process's
     numbers: the router counts the generation's decision for the replica that served it, and that
@@ -106,14 +96,14 @@ def _check_metrics(banner: str, summary: str) -> None:
     assert sorted(urls) == ["replica-0", "replica-1", "router"], banner
     assert all(u.startswith("http://127.0.0.1:") for u in urls.values()) and len(set(urls.values())) == 3
     served_by = re.search(r"\| (replica-[01]) ", summary).group(1)
-    router = _samples(urls["router"])
+    router = scrape_metrics(urls["router"])
     decisions = {lab["kvroute_replica_id"]: v for lab, v in router["kvroute_router_decisions_total"]}
     assert decisions == {served_by: 1.0}
-    replica = _samples(urls[served_by])
+    replica = scrape_metrics(urls[served_by])
     (queries,) = replica["kvroute_replica_prefix_cache_queries_total"]
     assert queries[0]["kvroute_replica_id"] == served_by and queries[1] > 0
     other = "replica-1" if served_by == "replica-0" else "replica-0"
-    assert [v for _, v in _samples(urls[other]).get("kvroute_replica_generation_tokens_total", [])] in ([], [0.0])
+    assert [v for _, v in scrape_metrics(urls[other]).get("kvroute_replica_generation_tokens_total", [])] in ([], [0.0])
 
 
 def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_model_dir):

@@ -7,13 +7,10 @@ looked up). So prefix cache queries = 106 tokens, hits = 48.
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.telemetry import extract_context, inject_metadata, setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -22,7 +19,7 @@ from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from replica.telemetry import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
-from tests.support import wait_for
+from tests.support import scrape_metrics, wait_for
 
 BLOCK = 16
 PROMPT = [(11 * i + 5) % 500 for i in range(3 * BLOCK + 5)]
@@ -66,13 +63,7 @@ def rep_load_idle(stub) -> bool:
 
 def scrape(port: int) -> dict[str, list]:
     """Prometheus text from the HTTP endpoint -> {sample name: [(labels, value), ...]}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+    return scrape_metrics(f"http://127.0.0.1:{port}/metrics")
 
 
 def total(samples: dict[str, list], name: str, **labels: str | None) -> float:
