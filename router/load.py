@@ -114,9 +114,11 @@ class RedisLoadSync:
 
     def __init__(
         self, redis_url: str, layout: RedisLayout, router_id: str, tracker: LoadTracker,
-        interval: float = 0.2, ttl: float = 3.0,
+        interval: float = 0.2, ttl: float = 3.0, password: str = "",
     ):
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=1)
+        self._redis = redis.Redis.from_url(
+            redis_url, password=password or None, socket_timeout=2, socket_connect_timeout=1
+        )
         self.layout = layout
         self.router_id = router_id
         self.tracker = tracker

@@ -143,7 +143,7 @@ class RouterServer:
         self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
-            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
+            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock, password=s.redis_password,
         )
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -154,7 +154,8 @@ class RouterServer:
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
-        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval)
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
+                                       password=s.redis_password)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(
