@@ -32,6 +32,9 @@ class ReplicaSettings:
     event_buffer: int = setting(10000, "event batches buffered while Redis is slow or down")
     stream_maxlen: int = setting(100000, "approximate MAXLEN of the event stream")
     max_waiting: int = setting(256, "requests waiting in the queue before RESOURCE_EXHAUSTED")
+    drain_timeout: float = setting(
+        30.0, "on SIGTERM: seconds the requests in flight get to finish (no new ones admitted) before they are aborted"
+    )
     engine_process: bool = setting(
         True, "run the engine step loop in its own process (false: a thread of the gRPC process)"
     )
