@@ -34,17 +34,20 @@ async def run_until_signal(
     metrics_port: int,
     telemetry: Telemetry | None = None,
     drain: float | None = None,
+    metrics_host: str = "0.0.0.0",
 ) -> None:
     """Start ``make_server(telemetry)``, wait for SIGTERM / SIGINT (also while still starting),
     then stop it gracefully (``stop(drain=drain)`` when ``drain`` is given: the seconds the calls
     in flight get to finish). A failed start stops the server at once and re-raises.
 
-    ``metrics_port`` < 0 means no Prometheus endpoint; the telemetry is set up (and shut down)
+    ``metrics_port`` < 0 means no Prometheus endpoint (else it listens on ``metrics_host``); the telemetry is set up (and shut down)
     here unless the caller passes its own.
     """
     own_telemetry = telemetry is None
     if telemetry is None:
-        telemetry = setup_telemetry(service_name, metrics_port if metrics_port >= 0 else None, set_global=True)
+        telemetry = setup_telemetry(
+            service_name, metrics_port if metrics_port >= 0 else None, metrics_host=metrics_host, set_global=True
+        )
         if telemetry.metrics_port is not None:
             log.info("%s: metrics on :%d/metrics", service_name, telemetry.metrics_port)
     server = make_server(telemetry)
@@ -183,6 +186,7 @@ class ServerMain:
         await run_until_signal(
             lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry,
             None if self.drain is None else self.drain(settings),
+            metrics_host=settings.host,  # the metrics listen where the server does
         )
 
     def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:

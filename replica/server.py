@@ -43,6 +43,7 @@ from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
+from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -126,7 +127,8 @@ def _make_publisher(
     return make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
-        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, password=s.redis_password,
+        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+        redis_options=redis_auth(s.redis_password, s.redis_ca_file),
     )
 
 
