@@ -297,3 +297,8 @@ def test_the_gateway_mode_key_is_there_with_proxy_only():
     assert schema["properties"]["gateway"]["properties"]["mode"]["enum"] == ["proxy"]
     assert yaml.safe_load((CHART_DIR / "values.yaml").read_text())["gateway"] == {"mode": "proxy"}
     assert Path(CHART_DIR / "values.schema.json").is_file()
+
+
+def test_a_setting_the_programs_do_not_read_is_caught():
+    docs = render({"replica": {"settings": {"max_num_seq": 8}}, "router": {"settings": {"polcy": "random"}}})
+    assert sorted(unknown_kvroute_env(docs)) == [f"{REPLICA}/replica: KVROUTE_MAX_NUM_SEQ", f"{ROUTER}/router: KVROUTE_POLCY"]
