@@ -4,6 +4,8 @@ reading what it rendered (``from tests.deploy.chart import ...``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,25 @@ def render(values: dict[str, Any] | None = None, *, tests: bool = True) -> list[
     Raises:
         helm_python.HelmValuesError: the values break values.schema.json (the message names the key).
     """
-    with helm.Chart.load(str(CHART_DIR)) as chart:
-        files = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     docs = []
-    for name, text in sorted(files.items()):
+    for name, text in sorted(_rendered(json.dumps(values or {}, sort_keys=True)).items()):
         if name.endswith("NOTES.txt") or (not tests and "/templates/tests/" in name):
             continue
         docs += [d for d in yaml.safe_load_all(text) if d]
     return docs
 
 
+@functools.lru_cache(maxsize=64)
+def _rendered(values_json: str) -> dict[str, str]:
+    """Template path -> rendered text (one render per distinct values within a test run; the
+    generated Redis password is then the same for equal values)."""
+    with helm.Chart.load(str(CHART_DIR)) as chart:
+        return chart.render(values=json.loads(values_json), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
 def notes(values: dict[str, Any] | None = None) -> str:
     """The rendered NOTES.txt."""
-    with helm.Chart.load(str(CHART_DIR)) as chart:
-        files = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    files = _rendered(json.dumps(values or {}, sort_keys=True))
     return next(text for name, text in files.items() if name.endswith("NOTES.txt"))
 
 
