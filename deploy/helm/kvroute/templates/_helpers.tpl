@@ -102,6 +102,9 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+# The root filesystem is read-only: caches (torch, the kernels) go to the /tmp emptyDir.
+- name: HOME
+  value: /tmp
 - name: KVROUTE_HOST
   value: "0.0.0.0"
 - name: KVROUTE_REDIS_URL
@@ -205,6 +208,9 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
   image: {{ include "kvroute.image" (dict "ctx" . "image" .Values.replica.image) }}
   imagePullPolicy: {{ .Values.replica.image.pullPolicy }}
   command: ["python", "-m", "kvroute_tools.resolve_model", "", "/models"]
+  env:
+    - name: HOME
+      value: /tmp
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
