@@ -33,11 +33,13 @@ async def run_until_signal(
     service_name: str,
     metrics_port: int,
     telemetry: Telemetry | None = None,
+    drain: float | None = None,
     *,
     metrics_host: str = "127.0.0.1",
 ) -> None:
     """Start ``make_server(telemetry)``, wait for SIGTERM / SIGINT (also while still starting),
-    then stop it gracefully. A failed start stops the server at once and re-raises.
+    then stop it gracefully (``stop(drain=drain)`` when ``drain`` is given: the seconds the calls
+    in flight get to finish). A failed start stops the server at once and re-raises.
 
     ``metrics_port`` < 0 means no Prometheus endpoint (else it listens on ``metrics_host``); the
     telemetry is set up (and shut down) here unless the caller passes its own.
@@ -69,7 +71,7 @@ async def run_until_signal(
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
         log.info("%s: stopping", service_name)
-        await server.stop()
+        await (server.stop() if drain is None else server.stop(drain=drain))
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -166,6 +168,8 @@ class ServerMain:
         prog, description: the default program name and the ``--help`` description.
         what: the process kind named in the failure log line (``replica``).
         check, plain_errors: as :func:`run_main` takes them.
+        drain: ``settings -> seconds`` the calls in flight get to finish on SIGTERM (None: the
+            server's own ``stop()``).
     """
 
     settings_cls: type
@@ -176,6 +180,7 @@ class ServerMain:
     what: str
     check: Callable[[Any], object] | None = None
     plain_errors: tuple[type[BaseException], ...] = ()
+    drain: Callable[[Any], float] | None = None
 
     async def serve(self, settings: Any, *, telemetry: Telemetry | None = None) -> None:
         """Run the server until SIGTERM / SIGINT, then stop it gracefully (:func:`run_until_signal`).
@@ -183,6 +188,7 @@ class ServerMain:
         process bound to loopback does not expose its metrics on every interface."""
         await run_until_signal(
             lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry,
+            None if self.drain is None else self.drain(settings),
             metrics_host=settings.metrics_host or settings.host,
         )
 

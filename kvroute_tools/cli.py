@@ -16,11 +16,13 @@ torch (DESIGN.md §1).
                                                  Ctrl-C (or, with CMD, until CMD ends; {target} in CMD
                                                  becomes the router's host:port) -- kvroute_tools.up
     kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute_tools.client
+    kvroute health --target H:P                  exit 0 when the router is ready and has a routable
+                                                 replica, else 1 with the reason -- kvroute_tools.health
     kvroute bench [--trace F] [--target H:P]     replay a Mooncake trace through a running cluster per
                                                  routing policy and print the table -- kvroute_tools.bench
 
 Argument errors exit 2 with the usage line; a command that cannot reach what it needs exits 1 (up,
-generate) or 2 (bench) with one line saying why.
+generate, health) or 2 (bench) with one line saying why.
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ def _generate(args: argparse.Namespace) -> int:
         args.target, text, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         cache_salt=args.cache_salt, ignore_eos=args.ignore_eos, seed=args.seed, timeout=args.timeout,
     )
+
+
+def _health(args: argparse.Namespace) -> int:
+    from kvroute_tools.health import health_main
+
+    return health_main(args.target, args.timeout)
+
+
+def _check_health(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute_tools.client import parse_target
+
+    try:
+        parse_target(args.target)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.timeout > 0:
+        p.error(f"--timeout: must be > 0, got {args.timeout}")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -202,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")
     g.set_defaults(func=_generate, check=_check_generate)
+
+    h = sub.add_parser("health", help="exit 0 when a router is ready and has a routable replica",
+                       description="Check a router: grpc.health.v1 readiness must be SERVING and RouterService.Score "
+                                   "must list at least one routable replica. Prints one line; exit 0 when healthy, "
+                                   "1 otherwise (the line says why). The chart's `helm test`.")
+    h.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
+    h.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds (default 5)")
+    h.set_defaults(func=_health, check=_check_health)
 
     b = sub.add_parser(
         "bench", help="replay a Mooncake trace through a running cluster, per routing policy",

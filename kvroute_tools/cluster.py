@@ -275,7 +275,8 @@ class LocalCluster:
         cfg = self.config
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
-                *self._model_flags()]
+                # Ctrl-C aborts what is in flight at once (a pod's SIGTERM drains: the chart sets it).
+                "--drain-timeout", "0", *self._model_flags()]
         if cfg.kv_cache_memory_mb is not None:
             argv += ["--kv-cache-memory-mb", str(cfg.kv_cache_memory_mb)]
         if cfg.num_blocks is not None:

@@ -8,8 +8,9 @@ and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ HTTP and grpc stop(grace)
-              ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
+    stop():   every status NOT_SERVING ─▶ refuse new calls ─▶ in-flight calls get ``drain`` seconds to
+              finish (SIGTERM: ``drain_timeout``), the rest are aborted ─▶ HTTP and grpc stop(grace)
+              ─▶ engine process (or thread) stopped ─▶ publisher closed    (drain + a few seconds at most)
 
 The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
 ``redis_url``). The engine process exists because a step of a small model is mostly Python: on a
@@ -42,6 +43,7 @@ from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
+from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -126,6 +128,7 @@ def _make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
         buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+        redis_options=redis_auth(s.redis_password, s.redis_ca_file),
     )
 
 
@@ -307,9 +310,10 @@ class ReplicaServer:
             await self._set_all(_NOT_SERVING)
             await self._health.set(LIVENESS, _NOT_SERVING)
 
-    async def stop(self, grace: float = 1.0) -> None:
-        """Stop: NOT_SERVING everywhere, abort in-flight calls, stop gRPC within ``grace`` seconds,
-        stop the engine process (or thread), close the publisher. Idempotent.
+    async def stop(self, grace: float = 1.0, *, drain: float = 0.0) -> None:
+        """Stop: NOT_SERVING everywhere (readiness first, so the endpoint leaves the Service), refuse
+        new calls, give the calls in flight ``drain`` seconds to finish, abort the rest, stop gRPC
+        within ``grace`` seconds, stop the engine process (or thread), close the publisher. Idempotent.
 
         The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
         that never end on their own (health ``Watch`` streams), which are cancelled after it.
@@ -319,6 +323,11 @@ class ReplicaServer:
         try:
             await self._health.enter_graceful_shutdown()
             if self.frontend is not None:
+                self.frontend.stop_admitting()
+                if drain > 0 and self.frontend.num_in_flight:
+                    log.info("replica %s: draining %d in-flight requests (up to %.1fs)",
+                             self.replica_id, self.frontend.num_in_flight, drain)
+                    await self.frontend.wait_idle(drain)
                 n = self.frontend.drain()
                 if n:
                     log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
@@ -360,7 +369,7 @@ class BackgroundReplica(BackgroundServer):
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica",
+    "replica", drain=lambda settings: settings.drain_timeout,
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

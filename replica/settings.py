@@ -25,6 +25,10 @@ class ReplicaSettings:
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
     metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
+    redis_password: str = setting(
+        "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
+    )
+    redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats (TTL = 3 heartbeats)")
@@ -32,6 +36,9 @@ class ReplicaSettings:
     event_buffer: int = setting(10000, "event batches buffered while Redis is slow or down")
     stream_maxlen: int = setting(100000, "approximate MAXLEN of the event stream")
     max_waiting: int = setting(256, "requests waiting in the queue before RESOURCE_EXHAUSTED")
+    drain_timeout: float = setting(
+        30.0, "on SIGTERM: seconds the requests in flight get to finish (no new ones admitted) before they are aborted"
+    )
     engine_process: bool = setting(
         True, "run the engine step loop in its own process (false: a thread of the gRPC process)"
     )

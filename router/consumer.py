@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -88,6 +89,7 @@ class EventConsumer:
         block_ms: XREAD BLOCK timeout; also how late ``stop`` can be.
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
+        redis_options: more ``from_url`` keyword arguments (AUTH, TLS: ``kvroute.redis_auth``).
 
     Raises:
         ValueError: a non-positive ``heartbeat_poll_interval`` or ``block_ms``.
@@ -118,10 +120,12 @@ class EventConsumer:
         block_ms: int = 100,
         expiry_grace: float = 3.0,
         index_lock: threading.Lock | None = None,
+        redis_options: Mapping[str, Any] | None = None,
     ):
         if heartbeat_poll_interval <= 0 or block_ms < 1:
             raise ValueError("heartbeat_poll_interval, block_ms: must be > 0")
         self.redis_url = redis_url
+        self._redis_options = dict(redis_options or {})  # may hold the password: never logged
         self.layout = layout
         self.index = index
         self.registry = registry
@@ -222,6 +226,7 @@ class EventConsumer:
         try:
             client = redis.Redis.from_url(
                 self.redis_url,
+                **self._redis_options,
                 socket_connect_timeout=1.0,
                 socket_timeout=self.block_ms / 1000 + 5.0,
                 retry=Retry(NoBackoff(), 0),

@@ -31,6 +31,7 @@ from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
+from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -136,6 +137,7 @@ class RouterServer:
         hasher = BlockHasher(s.hash_algorithm, s.hash_seed, s.block_size)
         layout = RedisLayout(s.namespace, s.event_shards)
         index_lock = threading.Lock()
+        redis_options = redis_auth(s.redis_password, s.redis_ca_file)
         self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
         self.discovery = make_discovery(s, self.registry)
@@ -144,6 +146,7 @@ class RouterServer:
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
             heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
+            redis_options=redis_options,
         )
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -154,7 +157,8 @@ class RouterServer:
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
-        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval)
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
+                                       redis_options=redis_options)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(

@@ -30,7 +30,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -97,12 +98,14 @@ class RedisEventPublisher(EventPublisher):
         snapshot_interval: float = 30.0,
         buffer_size: int = 10000,
         stream_maxlen: int = 100000,
+        redis_options: Mapping[str, Any] | None = None,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
         if buffer_size < 1 or stream_maxlen < 1:
             raise ValueError("buffer_size, stream_maxlen: must be >= 1")
         self.redis_url = redis_url
+        self._redis_options = dict(redis_options or {})  # AUTH / TLS (kvroute.redis_auth); never logged
         self.layout = layout
         self.replica_id = replica_id
         self.epoch = time.time_ns() if epoch is None else int(epoch)
@@ -269,7 +272,7 @@ class RedisEventPublisher(EventPublisher):
     def _connect(self) -> bool:
         try:
             client = redis.Redis.from_url(
-                self.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
+                self.redis_url, **self._redis_options, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
             )
             client.ping()
             pubsub = client.pubsub(ignore_subscribe_messages=True)
