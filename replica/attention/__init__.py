@@ -23,6 +23,7 @@ from replica.attention.kv_cache import (
 )
 from replica.attention.metadata import AttentionMetadata, build_attention_metadata
 from replica.attention.torch_backend import TorchAttentionBackend
+from replica.attention.triton_backend import TritonAttentionBackend
 
 __all__ = [
     "BACKEND_NAMES",
@@ -30,6 +31,7 @@ __all__ = [
     "AttentionMetadata",
     "FlashAttnBackend",
     "TorchAttentionBackend",
+    "TritonAttentionBackend",
     "allocate_kv_caches",
     "build_attention_metadata",
     "flash_attn_available",

@@ -18,10 +18,16 @@ class AttentionBackend(ABC):
     ``forward`` writes the step's keys/values into ``kv_cache`` at ``metadata.slot_mapping`` and
     returns causal attention of each request's query tokens over its first ``seq_len`` positions.
     A backend implements ``_attend`` (the attention over the cache just written) and, when its
-    kernel constrains the cache, ``_check_cache``.
+    kernel constrains the cache, ``_check_cache``; one with its own cache-write kernel overrides
+    ``_write_cache``.
+
+    ``cuda_graph_safe``: whether ``forward`` reads no host value that changes from step to step
+    (and syncs nothing), so that a decode step can be captured in a CUDA graph and replayed with
+    new contents in the same metadata tensors (``replica.engine.cuda_graphs``).
     """
 
     name: str
+    cuda_graph_safe: bool = False
 
     def forward(
         self,
@@ -42,9 +48,15 @@ class AttentionBackend(ABC):
             ValueError: the backend's kernel cannot read this cache (``_check_cache``).
         """
         self._check_cache(kv_cache)
+        self._write_cache(key, value, kv_cache, metadata)
+        return self._attend(query, (key, value), kv_cache, metadata, scale)
+
+    def _write_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """Store the actual tokens' key/value at their slots (the padded tail is never written)."""
         n = metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], all_valid=True)
-        return self._attend(query, (key, value), kv_cache, metadata, scale)
 
     def _check_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise ``ValueError`` before anything is written when the kernel cannot read ``kv_cache``
