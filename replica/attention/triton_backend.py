@@ -16,6 +16,7 @@ import torch
 from replica.attention.backend import AttentionBackend
 from replica.attention.metadata import AttentionMetadata
 
+_WRITE_TOKENS = 16  # tokens per program of the cache write
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 
 
@@ -69,11 +70,13 @@ class TritonAttentionBackend(AttentionBackend):
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._kernels.write_kv_cache_kernel[(key.shape[0], num_kv_heads)](
-            key, value, k_cache, v_cache, metadata.slot_mapping,
+        num_tokens = key.shape[0]
+        self._kernels.write_kv_cache_kernel[(-(-num_tokens // _WRITE_TOKENS), num_kv_heads)](
+            key, value, k_cache, v_cache, metadata.slot_mapping, num_tokens,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=self._triton.next_power_of_2(head_dim),
+            BLOCK_T=_WRITE_TOKENS,
         )  # fmt: skip
 
     def _attend(

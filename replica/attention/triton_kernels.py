@@ -32,24 +32,25 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def write_kv_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_block, stride_c_tok, stride_c_head,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_tokens, num_kv_heads): one program stores one token's K and V of one KV head at
-    its slot; a slot < 0 (padding) stores nothing."""
-    token = tl.program_id(0)
+    """Grid (cdiv(num_tokens, BLOCK_T), num_kv_heads): one program stores the K and V of one KV
+    head for ``BLOCK_T`` tokens at their slots; a slot < 0 (padding) stores nothing."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    mask = (d < HEAD_DIM) & (tl.zeros([BLOCK_D], dtype=tl.int64) + slot >= 0)
-    safe_slot = tl.where(slot >= 0, slot, 0)
-    dst = (safe_slot // BLOCK_SIZE) * stride_c_block + (safe_slot % BLOCK_SIZE) * stride_c_tok + head * stride_c_head + d
-    k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
-    v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    mask = (slot >= 0)[:, None] & (d < HEAD_DIM)[None, :]
+    safe = tl.where(slot >= 0, slot, 0)
+    dst = (safe // BLOCK_SIZE) * stride_c_block + (safe % BLOCK_SIZE) * stride_c_tok + head * stride_c_head
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64[:, None] * stride_k_tok + head * stride_k_head + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64[:, None] * stride_v_tok + head * stride_v_head + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst[:, None] + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """TritonAttentionBackend against the float64 naive reference (tests/replica/attention/reference.py).
 
-Without CUDA the kernels run under Triton's interpreter: ``TRITON_INTERPRET=1`` is set here before
-anything imports triton (the mode is fixed when a kernel is decorated, so it cannot be turned on
-later in the process). With CUDA the same cases run the compiled kernels on the GPU. Shapes are
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/replica/conftest.py before anything imports triton: the mode is fixed when a kernel is
+decorated). With CUDA the same cases run the compiled kernels on the GPU. Shapes are
 small so that the interpreter, which runs every program of the grid one after the other in numpy,
 keeps the module to a few seconds.
 """
@@ -10,27 +10,16 @@ keeps the module to a few seconds.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
-_INTERPRET = not torch.cuda.is_available()
-if _INTERPRET and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+from replica.attention import TritonAttentionBackend, build_attention_metadata
+from replica.attention.triton_backend import triton_available
+from tests.replica.attention import reference
 
-from replica.attention import TritonAttentionBackend, build_attention_metadata  # noqa: E402
-from replica.attention.triton_backend import triton_available  # noqa: E402
-from tests.replica.attention import reference  # noqa: E402
-
-DEVICE = "cpu" if _INTERPRET else "cuda"
-pytestmark = [
-    pytest.mark.skipif(not triton_available(), reason="needs the triton package"),
-    pytest.mark.skipif(
-        _INTERPRET and os.environ.get("TRITON_INTERPRET") != "1", reason="triton was imported before the interpreter was on"
-    ),
-]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs the triton package")
 
 # (query_len, seq_len) per request.
 DECODES = [(1, 1), (1, 17), (1, 40), (1, 16), (1, 33)]
