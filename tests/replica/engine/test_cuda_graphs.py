@@ -98,26 +98,27 @@ def test_kv_sizing_on_cuda_measures_activations_and_the_largest_step_fits(defaul
 def test_a_padded_decode_step_on_the_graph_buffers_equals_the_eager_step(default_model_dir):
     """What a replay computes, without a GPU: the model run on DecodeBuffers filled from a real
     decode step (5 requests padded to 8: seq_len 0, slot -1) with the triton backend (under the
-    interpreter here), against the same step run eagerly on a copy of the cache."""
+    interpreter without CUDA), against the same step run eagerly on a copy of the cache."""
     from replica.attention import TritonAttentionBackend, build_attention_metadata
     from replica.engine.cuda_graphs import DecodeBuffers
     from replica.model.loader import load_model_folder
 
-    model, _ = load_model_folder(default_model_dir, "cpu", torch.float32, attn_backend=TorchAttentionBackend())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_model_folder(default_model_dir, device, torch.float32, attn_backend=TorchAttentionBackend())
     # One layer is enough (and keeps the interpreter, which runs kernel programs one at a time, quick).
     model.model.layers = model.model.layers[:1]
-    caches = [torch.zeros(2, 32, 4, 4, 32)]
+    caches = [torch.zeros(2, 32, 4, 4, 32, device=device)]
     prompt_lens = [3, 6, 1, 9, 4]
     tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(5)]
     with torch.inference_mode():
-        md, pos = build_attention_metadata(prompt_lens, prompt_lens, tables, 4)
-        model(torch.arange(1, 1 + sum(prompt_lens)), pos, caches, md)  # the prompts' K/V, by the torch backend
+        md, pos = build_attention_metadata(prompt_lens, prompt_lens, tables, 4, device=device)
+        model(torch.arange(1, 1 + sum(prompt_lens), device=device), pos, caches, md)  # the prompts' K/V, by the torch backend
         model.model.layers[0].self_attn.backend = TritonAttentionBackend()
-        md, pos = build_attention_metadata([1] * 5, [n + 1 for n in prompt_lens], tables, 4)
-        ids = torch.tensor([11, 12, 13, 14, 15])
+        md, pos = build_attention_metadata([1] * 5, [n + 1 for n in prompt_lens], tables, 4, device=device)
+        ids = torch.tensor([11, 12, 13, 14, 15], device=device)
         eager_caches = [c.clone() for c in caches]
         eager = model(ids, pos, eager_caches, md)
-        buffers = DecodeBuffers(cuda_graph_sizes(8), max_blocks=8, max_model_len=32, device=torch.device("cpu"))
+        buffers = DecodeBuffers(cuda_graph_sizes(8), max_blocks=8, max_model_len=32, device=torch.device(device))
         assert buffers.fits(md)
         size = buffers.fill(ids, pos, md)
         assert size == 8
