@@ -208,7 +208,9 @@ def resolve_backend(
         flash_builds=flash_attn_builds() if on_cuda and name in ("auto", "flash_attn") else (),
         triton_importable=on_cuda and triton_available(),
     )  # fmt: skip
-    log.info("attention backend %s: %s", choice.name, choice.reason)
+    # The gather path on a GPU is a slow fallback: said as a warning.
+    level = logging.WARNING if on_cuda and choice.name == "torch" else logging.INFO
+    log.log(level, "attention backend %s: %s", choice.name, choice.reason)
     if choice.name == "flash_attn":
         return choice, FlashAttnBackend(choice.flash_build)
     if choice.name == "triton":
