@@ -92,7 +92,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
-            ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
+            ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
         )
     except ValueError as e:
         p.error(str(e))
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (default 1)")
     u.add_argument("--replica-args", default="", help="more replica flags, one string (kvroute replica --help)")
     u.add_argument("--router-args", default="", help="more router flags, one string (kvroute router --help)")
+    u.add_argument("--metrics", action="store_true",
+                   help="a Prometheus /metrics endpoint on every replica and the router (free ports, printed with "
+                        "the endpoints)")
     u.add_argument("--log-dir", default="", help="where each process's log goes (default: a new temp folder)")
     u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     u.add_argument("--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")

@@ -261,7 +261,8 @@ class ReplicaServer:
             # A replica that does not publish exports no event counters (rather than zeros).
             stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
             frontend.metrics = ReplicaMetrics(
-                self.telemetry.meter("kvroute.replica"), model=self.model_name, sample=frontend.latest_sample,
+                self.telemetry.meter("kvroute.replica"), model=self.model_name, replica_id=self.replica_id,
+                sample=frontend.latest_sample,
                 publisher=stats,
             )
 

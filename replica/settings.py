@@ -24,6 +24,7 @@ class ReplicaSettings:
     replica_id: str = setting("", "unique id in the cluster (default hostname-port)")
     http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
+    metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
