@@ -248,10 +248,11 @@ class ReplicaServer:
         await self._set_all(_SERVING)
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
-            " hashing %s [%s], CPU decode attention %s",
+            " hashing %s [%s], attention backend %s (%s), CPU decode attention %s",
             self.replica_id, self.model_name, info.num_blocks, info.block_size, info.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
-            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation,
+            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation, info.attn_backend,
+            info.attn_backend_reason,
             "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
         )
 

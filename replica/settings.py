@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
+from replica.attention.backend import BACKEND_NAMES
 from replica.engine.config import EngineConfig
 
 
@@ -44,7 +45,10 @@ class ReplicaSettings:
     )
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("auto", "float32, float16, bfloat16 or auto")
-    attn_backend: str = setting("auto", "attention backend", choices=("auto", "torch", "flash_attn"))
+    attn_backend: str = setting(
+        "auto", "attention backend (auto: flash_attn on CUDA when a build pages block_size, else triton; torch off CUDA)",
+        choices=BACKEND_NAMES,
+    )
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
     num_blocks: int = setting(0, "KV blocks (0 = size from the memory budget)")
     kv_cache_memory_mb: int = setting(256, "KV cache budget on CPU, MiB")
@@ -58,6 +62,7 @@ class ReplicaSettings:
     cpu_offload_blocks: int = setting(0, "CPU-tier KV blocks (0 = no CPU tier)")
     torch_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     seed: int = setting(0, "seed of the shared sampling generator")
+    enforce_eager: bool = setting(False, "never run decode steps as CUDA graphs")
 
     @property
     def resolved_replica_id(self) -> str:
@@ -81,4 +86,5 @@ class ReplicaSettings:
             cpu_offload_blocks=self.cpu_offload_blocks,
             seed=self.seed,
             torch_threads=self.torch_threads or None,
+            enforce_eager=self.enforce_eager,
         )
