@@ -97,7 +97,7 @@ def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
     model_dir, name = resolve_model_dir(settings)
     engine = LLMEngine(model_dir, settings.engine_config())
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
-    engine.kv.reset_prefix_cache()
+    engine.kv.reset_prefix_cache(must_succeed=True)
     engine.take_kv_events()
     engine.kv.stats = PrefixCacheStats()
     return engine, name

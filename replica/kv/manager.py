@@ -386,9 +386,9 @@ class KVCacheManager:
         except KeyError:
             raise KVCacheError(f"get_block_ids: unknown request {request_id!r}") from None
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block when none is in use (emits AllBlocksCleared); False otherwise."""
-        return self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self, *, must_succeed: bool = False) -> bool:
+        """``BlockPool.reset_prefix_cache``: drop every cached block when none is in use."""
+        return self.block_pool.reset_prefix_cache(must_succeed=must_succeed)
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events since the last call, in order (a step's removals before its stores)."""
