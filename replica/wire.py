@@ -88,7 +88,7 @@ def load_response(replica_id: str, s: EngineSample, waiting: int) -> rep_pb.Load
         kv_usage=s.kv_usage, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
         queued_prefill_tokens=s.queued_prefill_tokens, prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits, prefix_cache_cpu_hits=s.prefix_cache_cpu_hits,
-        preemptions=s.preemptions,
+        preemptions=s.preemptions, recomputed_tokens=s.recomputed_tokens,
     )
 
 
