@@ -113,10 +113,18 @@ class Router:
         return f"no replica is routable ({why})"
 
     def commit(self, decision: Decision) -> Ticket:
-        """Account the picked replica's load and credit it speculatively with the prompt's blocks."""
+        """Account the picked replica's load and credit it speculatively with the prompt's blocks.
+
+        A replica removed since ``decide`` (expired, or no longer routable) gets no credit: the
+        consumer has dropped it from the index, and a speculative entry would bring it back for
+        good (its bit and maps). The registry is read under ``index_lock`` because the consumer
+        changes the registry before it drops the index entries under that lock.
+        """
         assert decision.picked is not None
         rid = decision.picked.replica_id
         with self.index_lock:
-            self.index.add_speculative(rid, decision.block_hashes)
+            info = self.registry.get(rid)
+            if info is not None and info.routable:
+                self.index.add_speculative(rid, decision.block_hashes)
         uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
         return self.load.begin(rid, uncached)
