@@ -51,7 +51,14 @@ from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
 from replica.http_api import replica_http_app
-from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
+from replica.publisher import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherStats,
+    ReplicaIdInUseError,
+    SnapshotFn,
+    make_publisher,
+)
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
@@ -199,6 +206,7 @@ class ReplicaServer:
 
         Raises:
             RuntimeError: the port cannot be bound, or ``redis_url`` is set without a publisher.
+            ReplicaIdInUseError: a live replica at another address heartbeats under this replica id.
             ModelLoadError / ValueError: from :func:`build_engine` (the server is stopped first).
         """
         s = self.settings
@@ -211,6 +219,11 @@ class ReplicaServer:
         wildcard = s.host in WILDCARD_HOSTS
         self.address = s.advertise_address or f"{socket.gethostname() if wildcard else s.host}:{self.port}"
         self.replica_id = s.replica_id or f"{socket.gethostname()}-{self.port}"
+        if s.redis_url:  # before anything is served or loaded: a live replica elsewhere owns this id?
+            from replica.publisher.id_check import claim_replica_id
+
+            layout = RedisLayout(s.namespace, s.event_shards)
+            await asyncio.to_thread(claim_replica_id, s.redis_url, layout, self.replica_id, self.address)
         tracer = None
         if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
             tracer = self.telemetry.tracer("kvroute.replica")
@@ -359,7 +372,7 @@ class BackgroundReplica(BackgroundServer):
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica",
+    "replica", plain_errors=(ReplicaIdInUseError,),
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

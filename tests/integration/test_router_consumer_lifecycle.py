@@ -93,6 +93,13 @@ def test_a_late_entry_of_an_expired_replica_is_not_indexed_nor_gap_counted(serve
         assert "replica-a" not in consumer.index.replicas
 
 
+def test_two_replicas_heartbeating_under_one_id_are_flagged(server, layout, fake_replicas):
+    with running_consumer(server, layout) as consumer:
+        fake_replicas("replica-0", port=50051)
+        fake_replicas("replica-0", port=50052)  # a second cluster's replica-0 on the same namespace
+        wait_for(lambda: consumer.registry.address_changes >= 2, what="the address of replica-0 flipping")
+
+
 def test_redis_restart_reconnects_and_resyncs(server, layout, fake_replicas):
     a = fake_replicas("replica-a", buffer_size=3)  # a long outage drops batches: a real seq gap
     b = fake_replicas("replica-b")
