@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
+from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
@@ -44,7 +45,7 @@ from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOn
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
-from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
+from kvroute.v1 import generation_pb2, replica_pb2
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
@@ -234,8 +235,8 @@ class ReplicaServer:
             app = replica_http_app(frontend, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
             self.http_port = self._http.port
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
-        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
+        add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(frontend))
+        add_servicer(server, replica_pb2.DESCRIPTOR.services_by_name["ReplicaService"], ReplicaServicer(frontend))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server
