@@ -9,10 +9,9 @@ import logging
 import grpc
 import pytest
 
-from replica.server import BackgroundReplica
-from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
+from tests.support import thread_replica
 
 GARBAGE = b"\xff\xff\xff\xff"  # field 31, wire type 7: no protobuf message parses it
 T = 10.0
@@ -20,9 +19,7 @@ T = 10.0
 
 @pytest.fixture(scope="module")
 def replica(default_model_dir):
-    settings = ReplicaSettings(host="127.0.0.1", port=0, model=str(default_model_dir), num_blocks=64,
-                               torch_threads=1, replica_id="garbage-replica", engine_process=False)
-    with BackgroundReplica(settings) as r:
+    with thread_replica(default_model_dir, "garbage-replica") as r:
         yield r
 
 

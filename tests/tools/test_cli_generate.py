@@ -13,15 +13,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from replica.server import BackgroundReplica  # noqa: E402
-from replica.settings import ReplicaSettings  # noqa: E402
+from tests.support import thread_replica  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def replica(default_model_dir):
-    settings = ReplicaSettings(host="127.0.0.1", port=0, model=str(default_model_dir), num_blocks=256,
-                               torch_threads=1, replica_id="cli-replica", engine_process=False)
-    with BackgroundReplica(settings) as r:
+    with thread_replica(default_model_dir, "cli-replica", num_blocks=256) as r:
         yield r
 
 
