@@ -163,14 +163,18 @@ def validate_request(
     *,
     vocab_size: int,
     max_model_len: int,
+    check_ids: bool = True,
 ) -> int:
-    """Validate a whole request (prompt + sampling params) before it reaches the engine.
+    """Validate a whole request (prompt + sampling params) before it reaches the engine; the router
+    calls it too, before it picks a replica, against the model limits the replicas report.
 
     Args:
         prompt_token_ids: the prompt as token ids.
         params: the request's sampling parameters.
         vocab_size: number of token ids of the model.
         max_model_len: most tokens (prompt + output) one sequence may hold.
+        check_ids: False when the caller has checked the ids against ``vocab_size`` already (the
+            router's ``PromptTokenizer.token_ids``): the per-token loop is skipped.
 
     Returns:
         The effective ``max_tokens`` (``effective_max_tokens``), which the engine passes to
@@ -191,7 +195,7 @@ def validate_request(
             f"is {prompt_len} tokens, but the model holds at most {max_model_len} tokens and at least "
             f"one output token must fit (prompt length must be at most {max_model_len - 1})",
         )
-    for i, tok in enumerate(prompt_token_ids):
+    for i, tok in enumerate(prompt_token_ids if check_ids else ()):
         # `type(tok) is int` first: plain ints are the norm, and the two isinstance checks (an ABC
         # lookup for numbers.Integral) made this loop ~0.65 ms per 2k-token prompt.
         if (type(tok) is int or (not isinstance(tok, bool) and isinstance(tok, numbers.Integral))) and (

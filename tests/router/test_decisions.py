@@ -177,6 +177,16 @@ def test_a_commit_after_the_replica_was_removed_does_not_put_it_back_in_the_inde
     assert router.index.replicas == []  # no phantom bit and empty maps left behind
 
 
+def test_a_withdrawn_decision_leaves_no_predicted_cached_tokens_for_its_prefix():
+    router = make_router(["R1"])
+    refused = prompt(8, 640)
+    d = router.decide(refused)
+    router.commit(d)
+    assert router.decide(refused[:320]).predicted_cached_tokens == 320 - B  # credited speculatively
+    router.withdraw(d)  # the replica refused it
+    assert router.decide(refused[:320]).predicted_cached_tokens == 0
+
+
 def test_no_routable_replica_gives_no_pick_and_a_reason():
     router = make_router([])
     d = router.decide(prompt(1, 40))
