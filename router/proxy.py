@@ -139,6 +139,7 @@ class Proxy:
         self.tracer = tracer
         self.channels = ReplicaChannels()
         self.limits = ModelLimits(tokenizer.vocab_size, tokenizer.max_model_len)
+        self._tasks: set[asyncio.Task] = set()  # GetModelInfo calls that feed ``limits``
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
 
     # -- decisions ---------------------------------------------------------------------------------
@@ -279,7 +280,9 @@ class Proxy:
             self.channels.prune(live)
             self.limits.forget(live)
         for address in self.limits.missing(i.address for i in self.router.registry.routable()):
-            asyncio.get_running_loop().create_task(self._learn_limits(address))
+            task = asyncio.get_running_loop().create_task(self._learn_limits(address))
+            self._tasks.add(task)  # a reference, so that the task is not collected mid-call
+            task.add_done_callback(self._tasks.discard)
         usage = final.usage if final is not None and final.HasField("usage") else None
         if self.metrics is not None:
             for d, failed_with in attempts:
@@ -375,6 +378,8 @@ class Proxy:
         return resp
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self.channels.close()
 
 

@@ -86,5 +86,11 @@ def test_a_prompt_the_replica_refuses_leaves_no_speculative_entries_for_its_pref
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at most 256 tokens" in err.value.details()  # the replica's refusal
             resp = gen.Generate(gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=huge[:200]), sampling=GREEDY), timeout=T)
+            # The router has learned the replica's limit from its GetModelInfo: it refuses by itself now.
+            wait_for(lambda: router.server.proxy.limits.current[1] == 256, what="the replica's max_model_len learned")
+            with pytest.raises(grpc.RpcError) as again:
+                gen.Generate(gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=huge), sampling=GREEDY), timeout=T)
+            assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "x-kvroute-replica" not in dict(again.value.trailing_metadata() or ())
     assert resp.routing.predicted_cached_tokens == 0
     assert resp.usage.cached_tokens == 0
