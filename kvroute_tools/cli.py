@@ -31,6 +31,23 @@ import argparse
 import shlex
 import sys
 
+
+
+def int_in(lo: int, hi: int):
+    """An argparse ``type``: an int in ``[lo, hi]``, else the usage line and exit 2 naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
 _SIM_POLICIES = ("kvroute", "round_robin", "least_loaded", "random", "sglang_cache_aware", "llmd", "dynamo", "chwbl")
 
 
@@ -126,8 +143,6 @@ def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(str(e))
     if not args.text:
         p.error("text: must not be empty (pass the prompt, or - to read it from stdin)")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        p.error(f"--max-tokens: must be >= 1, got {args.max_tokens}")
     if args.temperature is not None and not args.temperature >= 0:
         p.error(f"--temperature: must be >= 0, got {args.temperature}")
     if args.timeout is not None and args.timeout <= 0:
@@ -156,6 +171,7 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="Prefix-aware routing cluster for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
+    from kvroute.sampling import MAX_MAX_TOKENS, MAX_SEED
     from kvroute_tools.simulate.flags import add_arguments
 
     sim = sub.add_parser(
@@ -214,9 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("text", help="the prompt (- reads it from stdin)")
     g.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     g.add_argument("--chat", action="store_true", help="send the text as one user message (chat template)")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    g.add_argument("--max-tokens", type=int_in(1, MAX_MAX_TOKENS), default=32,
+                   help="tokens to generate at most (default 32)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the engine's, 1.0)")
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--seed", type=int_in(0, MAX_SEED), default=None, help="per-request sampling seed")
     g.add_argument("--cache-salt", default="", help="prefix-cache isolation key (tenant)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")

@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
+from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
@@ -46,14 +47,21 @@ from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
-from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
+from kvroute.v1 import generation_pb2, replica_pb2
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
 from replica.http_api import replica_http_app
-from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
+from replica.publisher import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherStats,
+    ReplicaIdInUseError,
+    SnapshotFn,
+    make_publisher,
+)
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
@@ -99,7 +107,7 @@ def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
     model_dir, name = resolve_model_dir(settings)
     engine = LLMEngine(model_dir, settings.engine_config())
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
-    engine.kv.reset_prefix_cache()
+    engine.kv.reset_prefix_cache(must_succeed=True)
     engine.take_kv_events()
     engine.kv.stats = PrefixCacheStats()
     return engine, name
@@ -202,6 +210,7 @@ class ReplicaServer:
 
         Raises:
             RuntimeError: the port cannot be bound, or ``redis_url`` is set without a publisher.
+            ReplicaIdInUseError: a live replica at another address heartbeats under this replica id.
             ModelLoadError / ValueError: from :func:`build_engine` (the server is stopped first).
         """
         s = self.settings
@@ -214,6 +223,11 @@ class ReplicaServer:
         wildcard = s.host in WILDCARD_HOSTS
         self.address = s.advertise_address or f"{socket.gethostname() if wildcard else s.host}:{self.port}"
         self.replica_id = s.replica_id or f"{socket.gethostname()}-{self.port}"
+        if s.redis_url:  # before anything is served or loaded: a live replica elsewhere owns this id?
+            from replica.publisher.id_check import claim_replica_id
+
+            layout = RedisLayout(s.namespace, s.event_shards)
+            await asyncio.to_thread(claim_replica_id, s.redis_url, layout, self.replica_id, self.address)
         tracer = None
         if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
             tracer = self.telemetry.tracer("kvroute.replica")
@@ -224,8 +238,8 @@ class ReplicaServer:
             app = replica_http_app(frontend, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
             self.http_port = self._http.port
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
-        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
+        add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(frontend))
+        add_servicer(server, replica_pb2.DESCRIPTOR.services_by_name["ReplicaService"], ReplicaServicer(frontend))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -370,7 +384,7 @@ class BackgroundReplica(BackgroundServer):
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica", drain=lambda settings: settings.drain_timeout,
+    "replica", drain=lambda settings: settings.drain_timeout, plain_errors=(ReplicaIdInUseError,),
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

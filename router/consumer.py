@@ -25,7 +25,8 @@ while the streams are read to their end is a gap too (entries lost at the tail).
 Bootstrap (start, and after every reconnect): poll heartbeats, load each routable replica's snapshot
 (when it is newer than what is known), then read every stream from the start of what is retained,
 skipping entries at or below each replica's seq (and entries of replicas that no longer heartbeat).
-A heartbeat key that is gone expires the replica (``registry.expire``; its entries are dropped),
+A heartbeat key that is gone expires the replica (``registry.expire``; its entries are dropped,
+and its late entries of that epoch are ignored, not followed into a gap: ``IndexFeed.expire``),
 except in the first ``expiry_grace`` seconds after a reconnect, while replicas re-register.
 
 The index only holds replicas that are routable, or not yet seen in a heartbeat: the registry's
@@ -347,10 +348,11 @@ class EventConsumer:
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
-                    self.registry.expire(info.replica_id)  # on_removed drops its entries
+                    self.feed.expire(info.replica_id, info.epoch)  # its late entries are ignored now
+                    self.registry.expire(info.replica_id)
             for rid in self.feed.replicas():
                 if rid not in present:  # entries seen, heartbeat never (or no longer) seen
-                    self._removed.append(rid)
+                    self.feed.expire(rid)
         self._handle_removals()
         followed = set(self.feed.replicas())
         for rid, info in present.items():

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
@@ -34,7 +35,7 @@ from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
-from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
+from kvroute.v1 import generation_pb2, router_pb2
 from router import index as index_module
 from router.consumer import EventConsumer
 from router.core import Router
@@ -175,8 +176,8 @@ class RouterServer:
             app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
             self.http_port = self._http.port
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
-        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
+        add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
+        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)

@@ -22,6 +22,7 @@ OpenTelemetry name -> Prometheus name (as the Prometheus exporter writes them) -
 ``kvroute.router.events.snapshot_requests``    ``kvroute_router_events_snapshot_requests_total``         (none)
 ``kvroute.router.events.epoch_changes``        ``kvroute_router_events_epoch_changes_total``             (none)
 ``kvroute.router.replicas`` {``kvroute.state``}  ``kvroute_router_replicas``                             (none)
+``kvroute.router.replicas.address_changes``    ``kvroute_router_replicas_address_changes_total``         (none)
 ``kvroute.router.prediction.ratio``            ``kvroute_router_prediction_ratio`` (actual/predicted)    (none)
 ``kvroute.router.prediction.over``             ``kvroute_router_prediction_over_total``                  (none)
 ``kvroute.router.prediction.predicted_tokens`` ``kvroute_router_prediction_predicted_tokens_total``      (none)
@@ -194,6 +195,16 @@ class RouterMetrics:
         meter.create_observable_gauge(
             "kvroute.router.replicas", [replicas], unit="{replica}",
             description="Heartbeating replicas: routable, not routable, and with a refused hash triple",
+        )
+
+        def address_changes(_options: CallbackOptions) -> Iterable[Observation]:
+            r = self._registry
+            return [] if r is None else [Observation(r.address_changes)]
+
+        meter.create_observable_counter(
+            "kvroute.router.replicas.address_changes", [address_changes], unit="{change}",
+            description="Heartbeats whose address differs from their replica id's previous one (a flip back"
+            " and forth: two replicas share one id in one namespace)",
         )
 
     def record_decision(self, decision: Any, outcome: str) -> None:

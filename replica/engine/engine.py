@@ -204,7 +204,10 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        try:
+            max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        except PromptError as e:  # kvroute.sampling's check, raised again as the engine's own type
+            raise InvalidRequestError(e.field, e.reason) from None
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + self.extra_eos_token_ids))

@@ -22,6 +22,7 @@ from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
 from replica.engine.step_hook import take_step_sample
+from replica.kv import PrefixCacheStats
 from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
 from tests import support_redis
 from tests.support import wait_for
@@ -181,7 +182,7 @@ class StubEngine:
     def __init__(self, events: list):
         self.events = events
         self.kv = SimpleNamespace(num_free_blocks=40, num_blocks=64, usage=0.375, cached_event_hashes=dict,
-                                  stats=SimpleNamespace(queries=0, hits=0, cpu_hits=0))
+                                  stats=PrefixCacheStats())
         self.scheduler = SimpleNamespace(running=[object(), object()], waiting=[object()], queued_prefill_tokens=96,
                                          num_preemptions=0)
         self.num_steps = 0
