@@ -39,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.process import dial_host
+from kvroute.redis_connect import connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
@@ -221,9 +222,9 @@ class LocalCluster:
         import redis
 
         try:
-            redis.Redis.from_url(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
+            connect(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
         except (redis.RedisError, ValueError) as e:
-            raise ClusterError(f"--redis-url: cannot reach {self.redis_url} ({e})") from e
+            raise ClusterError(f"--redis-url: cannot reach it ({describe_error(self.redis_url, e)})") from e
 
     def _resolve_model(self) -> None:
         """Generate the default model once, before N replicas would race to write it."""
@@ -337,7 +338,7 @@ class LocalCluster:
         if self.redis is not None:
             lines.append(f"  {'redis':<11} {self.redis_url:<22} pid {self.redis.pid} (embedded)")
         else:
-            lines.append(f"  {'redis':<11} {self.redis_url}")
+            lines.append(f"  {'redis':<11} {redact(self.redis_url)}")
         lines.append(f"  model       {self.model_dir}")
         lines += [
             "Try:",

@@ -38,14 +38,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     """A redis-server child process on 127.0.0.1:``port``; ``url`` to connect; ``stop()`` /
-    ``start()`` to kill and restart it on the same port (fault tests).
+    ``start()`` to kill and restart it on the same port (fault tests). ``password``: started
+    with ``--requirepass`` (``url`` then has no password in it; clients pass it).
 
     Raises:
         RuntimeError: the server did not accept connections within ``timeout`` seconds.
     """
 
-    def __init__(self, port: int | None = None, timeout: float = 10.0):
+    def __init__(self, port: int | None = None, timeout: float = 10.0, *, password: str | None = None):
         self.port = port or free_port()
+        self.password = password
         self.timeout = timeout
         self._dir = tempfile.mkdtemp(prefix="kvroute-redis-")
         self._proc: subprocess.Popen | None = None
@@ -61,6 +63,8 @@ class RedisServer:
             find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "no", "--loglevel", "warning",
         ]
+        if self.password:
+            args += ["--requirepass", self.password]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -68,7 +72,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with status {self._proc.returncode} on port {self.port}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (and asking for the password)
                     return self
             time.sleep(0.02)
         self.stop()

@@ -42,6 +42,7 @@ from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
+from kvroute.redis_connect import RedisAuth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
@@ -125,7 +126,7 @@ def _make_publisher(
     return make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
-        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
+        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, auth=RedisAuth.from_settings(s),
     )
 
 

@@ -25,6 +25,10 @@ class ReplicaSettings:
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
+    redis_password: str = setting("", "Redis AUTH password (prefer the env variable or redis_password_file)",
+                                  secret=True)
+    redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
+    redis_ca_file: str = setting("", "CA bundle (PEM) that verifies a rediss:// Redis (empty = the system's)")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats (TTL = 3 heartbeats)")
     snapshot_interval: float = setting(30.0, "seconds between periodic cache snapshots")
@@ -50,6 +54,9 @@ class ReplicaSettings:
     cpu_offload_blocks: int = setting(0, "CPU-tier KV blocks (0 = no CPU tier)")
     torch_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     seed: int = setting(0, "seed of the shared sampling generator")
+    tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
+    tls_key_file: str = setting("", "gRPC server private key (PEM)")
+    tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
 
     @property
     def resolved_replica_id(self) -> str:

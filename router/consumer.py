@@ -48,6 +48,7 @@ from redis.retry import Retry
 
 from kvroute.events import EventDecodeError
 from kvroute.heartbeat import Heartbeat
+from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
 from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed
@@ -88,6 +89,7 @@ class EventConsumer:
         block_ms: XREAD BLOCK timeout; also how late ``stop`` can be.
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
+        auth: the Redis credentials (kvroute.redis_connect; default none).
 
     Raises:
         ValueError: a non-positive ``heartbeat_poll_interval`` or ``block_ms``.
@@ -118,10 +120,12 @@ class EventConsumer:
         block_ms: int = 100,
         expiry_grace: float = 3.0,
         index_lock: threading.Lock | None = None,
+        auth: RedisAuth | None = None,
     ):
         if heartbeat_poll_interval <= 0 or block_ms < 1:
             raise ValueError("heartbeat_poll_interval, block_ms: must be > 0")
         self.redis_url = redis_url
+        self.auth = auth
         self.layout = layout
         self.index = index
         self.registry = registry
@@ -208,7 +212,7 @@ class EventConsumer:
                     self._bootstrap()
                 self._step()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-                log.warning("kv consumer: lost Redis at %s (%s); reconnecting", self.redis_url, e)
+                log.warning("kv consumer: lost Redis (%s); reconnecting", describe_error(self.redis_url, e))
                 self._logged_down = True
                 self._disconnect()
                 self._stop.wait(_MIN_BACKOFF_S)
@@ -220,8 +224,8 @@ class EventConsumer:
 
     def _connect(self) -> bool:
         try:
-            client = redis.Redis.from_url(
-                self.redis_url,
+            client = connect(
+                self.redis_url, self.auth,
                 socket_connect_timeout=1.0,
                 socket_timeout=self.block_ms / 1000 + 5.0,
                 retry=Retry(NoBackoff(), 0),
@@ -229,12 +233,12 @@ class EventConsumer:
             client.ping()
         except (redis.RedisError, OSError) as e:
             if not self._logged_down:  # once per outage, not once per retry
-                log.warning("kv consumer: Redis at %s unreachable (%s); retrying", self.redis_url, e)
+                log.warning("kv consumer: Redis unreachable (%s); retrying", describe_error(self.redis_url, e))
                 self._logged_down = True
             return False
         if self._bootstrapped_once:
             self.reconnects += 1
-            log.info("kv consumer: reconnected to Redis at %s; re-bootstrapping", self.redis_url)
+            log.info("kv consumer: reconnected to Redis at %s; re-bootstrapping", redact(self.redis_url))
         self._logged_down = False
         self._client = client
         self.connected = True

@@ -31,6 +31,7 @@ from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
+from kvroute.redis_connect import RedisAuth, redact
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
@@ -135,6 +136,7 @@ class RouterServer:
         self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_folder, resolve_model_dir(s.model, s.model_cache_dir))
         hasher = BlockHasher(s.hash_algorithm, s.hash_seed, s.block_size)
         layout = RedisLayout(s.namespace, s.event_shards)
+        redis_auth = RedisAuth.from_settings(s)
         index_lock = threading.Lock()
         self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
@@ -143,7 +145,7 @@ class RouterServer:
         self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
-            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
+            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock, auth=redis_auth,
         )
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -154,7 +156,8 @@ class RouterServer:
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
-        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval)
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
+                                       auth=redis_auth)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(
@@ -187,7 +190,7 @@ class RouterServer:
         log.info(
             "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s,"
             " hashing %s [%s], index loops %s",
-            self.router_id, s.host, self.port, s.policy, s.discovery, s.redis_url, s.namespace,
+            self.router_id, s.host, self.port, s.policy, s.discovery, redact(s.redis_url), s.namespace,
             self.tokenizer.model_name, s.hash_algorithm, self.router.hasher.implementation,
             "compiled" if index_module._index is not None else "Python (router._index not built)",
         )
@@ -253,7 +256,7 @@ class BackgroundRouter(BackgroundServer):
         def start(server: RouterServer) -> None:
             self.run(server.start(), 60.0)
             if ready_timeout is not None and not self.run(server.wait_ready(ready_timeout), ready_timeout + 5):
-                raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {settings.redis_url} up?)")
+                raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {redact(settings.redis_url)} up?)")
 
         self._start(lambda: RouterServer(settings, telemetry=telemetry), "router-server", start)
 
