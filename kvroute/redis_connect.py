@@ -15,9 +15,10 @@ the CA bundle that verifies the server (the system's when empty).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
+
+from kvroute.settings import secret_from
 
 if TYPE_CHECKING:  # redis-py is imported on first connect: `kvroute up` and the CLI start without it
     import redis
@@ -43,19 +44,7 @@ class RedisAuth:
             ValueError: both a password and a password file are set, or the file cannot be read
                 or is empty (the message names the setting, never the password).
         """
-        password = settings.redis_password or None
-        path = settings.redis_password_file
-        if path:
-            if password is not None:
-                raise ValueError("redis_password, redis_password_file: set one, not both")
-            try:
-                lines = Path(path).read_text().splitlines()
-            except OSError as e:
-                raise ValueError(f"redis_password_file: cannot read {path} ({e.strerror})") from e
-            password = lines[0] if lines else ""
-            if not password:
-                raise ValueError(f"redis_password_file: {path} is empty")
-        return cls(password=password, ca_file=settings.redis_ca_file)
+        return cls(password=secret_from(settings, "redis_password"), ca_file=settings.redis_ca_file)
 
 
 def redact(url: str) -> str:
@@ -93,14 +82,15 @@ def connect(url: str, auth: RedisAuth | None = None, **options: Any) -> redis.Re
 
 
 def describe_error(url: str, error: BaseException) -> str:
-    """One line for a failed Redis call on ``url``: the redacted URL, and for an AUTH refusal
-    what to set (``redis_password`` / ``redis_password_file``)."""
+    """One line for a failed Redis call on ``url``: the redacted URL, the error, and for an AUTH
+    refusal what to set (``redis_password`` / ``redis_password_file``)."""
     import redis
 
-    if isinstance(error, redis.AuthenticationError) or "NOAUTH" in str(error) or "WRONGPASS" in str(error):
-        return (f"redis_url {redact(url)}: authentication failed ({error}); "
+    text = str(error)
+    if isinstance(error, redis.AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text:
+        text = (f"authentication failed ({error}); "
                 "set redis_password (KVROUTE_REDIS_PASSWORD) or redis_password_file")
-    return f"redis_url {redact(url)}: {error}"
+    return f"redis_url {redact(url)}: {text}"
 
 
 __all__ = ["RedisAuth", "connect", "describe_error", "redact"]

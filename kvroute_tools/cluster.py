@@ -26,6 +26,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -118,6 +120,7 @@ class LocalCluster:
         self.replicas: list[Child] = []
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
+        self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -144,6 +147,7 @@ class LocalCluster:
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.admin_token_file = self._write_admin_token()
             router_port, replica_ports = self._ports()
             http_port = self._http_port([router_port, *replica_ports])
             if self.redis_url:
@@ -164,6 +168,15 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _write_admin_token(self) -> Path:
+        """A fresh admin token for this cluster's router, in a file only this user can read."""
+        assert self.log_dir is not None
+        path = self.log_dir / "admin-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        return path
 
     def _http_port(self, taken: Sequence[int]) -> int:
         """The router's HTTP port (-1: off); sets ``router_http_url``.
@@ -224,7 +237,8 @@ class LocalCluster:
         try:
             connect(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
         except (redis.RedisError, ValueError) as e:
-            raise ClusterError(f"--redis-url: cannot reach it ({describe_error(self.redis_url, e)})") from e
+            problem = describe_error(self.redis_url, e).partition(": ")[2]
+            raise ClusterError(f"--redis-url: cannot reach {redact(self.redis_url)} ({problem})") from e
 
     def _resolve_model(self) -> None:
         """Generate the default model once, before N replicas would race to write it."""
@@ -263,7 +277,8 @@ class LocalCluster:
     def _router_argv(self, port: int, http_port: int) -> list[str]:
         cfg = self.config
         return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--http-port", str(http_port),
-                "--redis-url", self.redis_url, "--namespace", cfg.namespace, *self._model_flags(), *cfg.router_args]
+                "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--admin-token-file", str(self.admin_token_file),
+                *self._model_flags(), *cfg.router_args]
 
     def _died(self, child: Child, when: str) -> str:
         tail = child.log_tail()
@@ -340,6 +355,7 @@ class LocalCluster:
         else:
             lines.append(f"  {'redis':<11} {redact(self.redis_url)}")
         lines.append(f"  model       {self.model_dir}")
+        lines.append(f"  admin token {self.admin_token_file} (SetPolicy: kvroute bench --admin-token-file)")
         lines += [
             "Try:",
             f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",

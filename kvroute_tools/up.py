@@ -30,9 +30,11 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
     """The command with ``{target}`` (the router's host:port), ``{http_url}`` (its OpenAI-compatible
-    HTTP API, ``http://host:port/v1``) and ``{redis_url}`` filled in."""
+    HTTP API, ``http://host:port/v1``), ``{redis_url}`` and ``{admin_token_file}`` (the file holding
+    the router's admin token, for SetPolicy) filled in."""
     return [a.replace("{target}", cluster.router_target).replace("{http_url}", cluster.router_http_url)
-            .replace("{redis_url}", cluster.redis_url) for a in command]
+            .replace("{redis_url}", cluster.redis_url).replace("{admin_token_file}", str(cluster.admin_token_file))
+            for a in command]
 
 
 def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:

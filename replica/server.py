@@ -45,6 +45,7 @@ from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
 from kvroute.redis_connect import RedisAuth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
+from kvroute.tls import bind, server_credentials
 from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
@@ -206,7 +207,8 @@ class ReplicaServer:
         # so_reuseport off: a second replica on a taken port must fail, not share the port.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server = server
-        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        self.port = bind(server, f"{s.host}:{s.port}", server_credentials(s.tls_cert_file, s.tls_key_file,
+                                                                          s.tls_client_ca_file))
         if not self.port:
             raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
         wildcard = s.host in WILDCARD_HOSTS

@@ -33,9 +33,12 @@ from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
 from kvroute.redis_connect import RedisAuth, redact
 from kvroute.redis_layout import RedisLayout
+from kvroute.settings import secret_from
 from kvroute.telemetry import Telemetry
+from kvroute.tls import bind, channel_credentials, server_credentials
 from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
 from router import index as index_module
+from router.channels import ReplicaChannels
 from router.consumer import EventConsumer
 from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
@@ -148,9 +151,13 @@ class RouterServer:
             heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock, auth=redis_auth,
         )
 
+        server_tls = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+        replica_tls = channel_credentials(s.replica_tls_ca_file, s.replica_tls_cert_file, s.replica_tls_key_file,
+                                          prefix="replica_tls_")
+        admin_token = secret_from(s, "admin_token")
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server = server
-        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        self.port = bind(server, f"{s.host}:{s.port}", server_tls)
         if not self.port:
             raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
         # The bound port, not the flag: two routers started with --port 0 must not share an id
@@ -169,13 +176,14 @@ class RouterServer:
         self.proxy = Proxy(
             self.router, self.tokenizer, policy_factory=self.policy,
             max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
+            channels=ReplicaChannels(credentials=replica_tls),
         )
         if s.http_port >= 0:  # bound now: a taken port fails before anything starts
             app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
             self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
-        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
+        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy, admin_token), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)
@@ -189,10 +197,12 @@ class RouterServer:
         self._ready_task = asyncio.create_task(self._become_ready())
         log.info(
             "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s,"
-            " hashing %s [%s], index loops %s",
+            " hashing %s [%s], index loops %s, %s, SetPolicy %s",
             self.router_id, s.host, self.port, s.policy, s.discovery, redact(s.redis_url), s.namespace,
             self.tokenizer.model_name, s.hash_algorithm, self.router.hasher.implementation,
             "compiled" if index_module._index is not None else "Python (router._index not built)",
+            ("mTLS" if s.tls_client_ca_file else "TLS") if server_tls else "plaintext",
+            "with the admin token" if admin_token else "off",
         )
 
     async def _become_ready(self) -> None:
