@@ -67,6 +67,14 @@ def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _replica_of(fields: dict) -> str:
+    """A printable name for the replica an entry claims to be of (logs only)."""
+    raw = fields.get(F_REPLICA_ID) if isinstance(fields, dict) else None
+    if isinstance(raw, bytes):
+        return raw[:64].decode(errors="backslashreplace") or "<empty replica_id>"
+    return "<no replica_id>"
+
+
 def _from_feed(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.feed, name), doc=doc)
 
@@ -106,7 +114,8 @@ class EventConsumer:
     resyncs = _from_feed("resyncs", "Snapshot loads that closed a gap.")
     snapshot_requests = _from_feed("snapshot_requests", "Snapshot requests published.")
     epoch_changes = _from_feed("epoch_changes", "Replica restarts seen (new epochs).")
-    bad_entries = _from_feed("bad_entries", "Entries with missing fields or an undecodable batch.")
+    bad_entries = _from_feed("bad_entries", "Entries rejected whole (router.consumer_feed: hostile input).")
+    rejected = _from_feed("rejected", "Rejected inputs per reason (router.consumer_feed.REJECT_REASONS).")
     stream_lag_seconds = _from_feed("stream_lag_seconds", "Wall clock minus the batch ts at the last applied batch.")
 
     def __init__(
@@ -192,6 +201,7 @@ class EventConsumer:
         """The counters above as one dict (metrics export)."""
         return {
             **{name: getattr(self.feed, name) for name in IndexFeed.COUNTERS},
+            "rejected": dict(self.feed.rejected),
             "reconnects": self.reconnects,
             "connected": self.connected,
             "entries": self.entries(),
@@ -296,7 +306,12 @@ class EventConsumer:
                 caught_up = False
             backlog = self._backlog_until.get(name)
             for entry_id, fields in entries:
-                self._handle_entry(entry_id, fields, backlog)
+                try:
+                    self._handle_entry(name, entry_id, fields, backlog)
+                except redis.RedisError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one entry must not stall every replica
+                    self.feed.reject(_replica_of(fields), "error", f"entry {entry_id!r}: {e!r}", exc_info=True)
             self._stream_ids[name] = entries[-1][0]
         self._caught_up = caught_up
         if caught_up:
@@ -305,14 +320,27 @@ class EventConsumer:
                 self._ready.set()
         self._service_gaps()
 
-    def _handle_entry(self, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
+    def _handle_entry(self, stream: str, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
+        """One stream entry: its fields checked (router.consumer_feed's reasons), then to the feed."""
+        raw_id = fields.get(F_REPLICA_ID)
         try:
-            rid = fields[F_REPLICA_ID].decode()
-            epoch = int(fields[F_EPOCH])
-            seq = int(fields[F_SEQ])
+            rid = raw_id.decode() if isinstance(raw_id, bytes) else None
+        except UnicodeDecodeError:
+            rid = None
+        if not rid:
+            self.feed.reject(_replica_of(fields), "replica_id" if raw_id is not None else "fields",
+                             f"entry {entry_id!r} of {stream}: replica_id {raw_id!r:.80}")
+            return
+        if self.layout.events_stream(rid) != stream:
+            self.feed.reject(rid, "wrong_stream", f"entry {entry_id!r} is in {stream}, not {self.layout.events_stream(rid)}")
+            return
+        try:
+            epoch, seq = int(fields[F_EPOCH]), int(fields[F_SEQ])
             data = fields[F_BATCH]
-        except (KeyError, ValueError, UnicodeDecodeError):
-            self.feed.bad_entries += 1
+            if not (0 <= epoch < 2**64 and 0 <= seq < 2**64):
+                raise ValueError("epoch / seq out of range")
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            self.feed.reject(rid, "fields", f"entry {entry_id!r}: {type(e).__name__} {e}")
             return
         history = backlog is not None and _parse_id(entry_id) <= backlog
         self.feed.entry(rid, epoch, seq, data, history=history)
@@ -339,7 +367,7 @@ class EventConsumer:
             try:
                 info = self.registry.update_from_heartbeat(Heartbeat.from_redis(raw), now)
             except ValueError as e:
-                log.warning("kv consumer: ignoring a heartbeat: %s", e)
+                self.feed.reject(key.decode(errors="backslashreplace")[len(prefix):][:64], "heartbeat", str(e))
                 continue
             present[info.replica_id] = info
             heads[info.replica_id] = snapshot_position(head)
@@ -371,10 +399,14 @@ class EventConsumer:
         if data is None:
             return None
         try:
-            return decode_snapshot(data)
+            snap = decode_snapshot(data)
         except EventDecodeError as e:
-            log.warning("kv consumer: %s: undecodable snapshot (%s)", rid, e)
+            self.feed.reject(rid, "snapshot", f"undecodable ({e})")
             return None
+        if snap.replica_id != rid:
+            self.feed.reject(rid, "snapshot", f"it names the replica {snap.replica_id[:64]!r}")
+            return None
+        return snap
 
     def _service_gaps(self) -> None:
         """For each open gap that is due: load the snapshot if it covers the hole, else ask for one."""
