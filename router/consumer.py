@@ -49,9 +49,9 @@ from redis.retry import Retry
 from kvroute.events import EventDecodeError
 from kvroute.heartbeat import Heartbeat
 from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
-from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
+from kvroute.redis_layout import RedisLayout
 from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
-from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed
+from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
 from router.index import BlockIndex
 from router.registry import ReplicaInfo, ReplicaRegistry
 
@@ -65,14 +65,6 @@ _MAX_BACKOFF_S = 1.0
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
     return int(ms), int(seq or 0)
-
-
-def _replica_of(fields: dict) -> str:
-    """A printable name for the replica an entry claims to be of (logs only)."""
-    raw = fields.get(F_REPLICA_ID) if isinstance(fields, dict) else None
-    if isinstance(raw, bytes):
-        return raw[:64].decode(errors="backslashreplace") or "<empty replica_id>"
-    return "<no replica_id>"
 
 
 def _from_feed(name: str, doc: str) -> property:
@@ -311,7 +303,7 @@ class EventConsumer:
                 except redis.RedisError:
                     raise
                 except Exception as e:  # noqa: BLE001 - one entry must not stall every replica
-                    self.feed.reject(_replica_of(fields), "error", f"entry {entry_id!r}: {e!r}", exc_info=True)
+                    self.feed.reject(replica_of(fields), "error", f"entry {entry_id!r}: {e!r}", exc_info=True)
             self._stream_ids[name] = entries[-1][0]
         self._caught_up = caught_up
         if caught_up:
@@ -321,29 +313,8 @@ class EventConsumer:
         self._service_gaps()
 
     def _handle_entry(self, stream: str, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
-        """One stream entry: its fields checked (router.consumer_feed's reasons), then to the feed."""
-        raw_id = fields.get(F_REPLICA_ID)
-        try:
-            rid = raw_id.decode() if isinstance(raw_id, bytes) else None
-        except UnicodeDecodeError:
-            rid = None
-        if not rid:
-            self.feed.reject(_replica_of(fields), "replica_id" if raw_id is not None else "fields",
-                             f"entry {entry_id!r} of {stream}: replica_id {raw_id!r:.80}")
-            return
-        if self.layout.events_stream(rid) != stream:
-            self.feed.reject(rid, "wrong_stream", f"entry {entry_id!r} is in {stream}, not {self.layout.events_stream(rid)}")
-            return
-        try:
-            epoch, seq = int(fields[F_EPOCH]), int(fields[F_SEQ])
-            data = fields[F_BATCH]
-            if not (0 <= epoch < 2**64 and 0 <= seq < 2**64):
-                raise ValueError("epoch / seq out of range")
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            self.feed.reject(rid, "fields", f"entry {entry_id!r}: {type(e).__name__} {e}")
-            return
         history = backlog is not None and _parse_id(entry_id) <= backlog
-        self.feed.entry(rid, epoch, seq, data, history=history)
+        self.feed.stream_entry(stream, entry_id, fields, self.layout.events_stream, history=history)
 
     # -- heartbeats ------------------------------------------------------------------------------------
     def _poll_heartbeats(self, *, bootstrap: bool) -> dict[str, ReplicaInfo]:

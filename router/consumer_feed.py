@@ -39,9 +39,11 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Mapping
 
 from kvroute.events import GPU, MAX_BATCH_BYTES, MEDIA, EventDecodeError, batch_problem, parse_message
 from kvroute.ordering import Decision, ReplicaStream
+from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ
 from kvroute.snapshot import CacheSnapshot
 from kvroute.v1 import events_pb2
 from router.index import BlockIndex
@@ -57,6 +59,14 @@ _ENTRY_REASONS = frozenset(REJECT_REASONS) - {"medium", "snapshot", "heartbeat"}
 _MAX_LOGGED = 10000  # (replica, reason) pairs remembered as logged: garbage ids must not grow memory
 
 Batch = events_pb2.KVEventBatch
+
+
+def replica_of(fields: Mapping[bytes, bytes]) -> str:
+    """A printable name for the replica a stream entry claims to be of (logs only)."""
+    raw = fields.get(F_REPLICA_ID) if isinstance(fields, Mapping) else None
+    if isinstance(raw, bytes):
+        return raw[:64].decode(errors="backslashreplace") or "<empty replica_id>"
+    return "<no replica_id>"
 
 
 class _Replica:
@@ -138,6 +148,33 @@ class IndexFeed:
         return rep
 
     # -- entries -----------------------------------------------------------------------------------------
+    def stream_entry(self, stream: str, entry_id: bytes, fields: Mapping[bytes, bytes],
+                     stream_of: Callable[[str], str], *, history: bool) -> None:
+        """One stream entry as redis-py returns it (field name -> bytes), read from ``stream``
+        (``stream_of(replica_id)``: the stream that id shards to): its fields checked, then
+        :meth:`entry`; rejected under ``fields``, ``replica_id`` or ``wrong_stream`` otherwise."""
+        raw_id = fields.get(F_REPLICA_ID)
+        try:
+            rid = raw_id.decode() if isinstance(raw_id, bytes) else None
+        except UnicodeDecodeError:
+            rid = None
+        if not rid:
+            self.reject(replica_of(fields), "replica_id" if raw_id is not None else "fields",
+                        f"entry {entry_id!r} of {stream}: replica_id {raw_id!r:.80}")
+            return
+        if stream_of(rid) != stream:
+            self.reject(rid, "wrong_stream", f"entry {entry_id!r} is in {stream}, not {stream_of(rid)}")
+            return
+        try:
+            epoch, seq = int(fields[F_EPOCH]), int(fields[F_SEQ])
+            data = fields[F_BATCH]
+            if not (0 <= epoch < 2**64 and 0 <= seq < 2**64):
+                raise ValueError("epoch / seq out of range")
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            self.reject(rid, "fields", f"entry {entry_id!r}: {type(e).__name__} {e}")
+            return
+        self.entry(rid, epoch, seq, data, history=history)
+
     def entry(self, rid: str, epoch: int, seq: int, data: bytes, *, history: bool) -> None:
         """One stream entry of ``rid``; ``history``: read by a bootstrap from before it started
         (what the snapshot loaded already covers is not counted as stale)."""
@@ -316,4 +353,4 @@ class IndexFeed:
         return True
 
 
-__all__ = ["REJECT_REASONS", "REQUEST_EVERY_S", "SNAPSHOT_POLL_S", "IndexFeed"]
+__all__ = ["REJECT_REASONS", "REQUEST_EVERY_S", "SNAPSHOT_POLL_S", "IndexFeed", "replica_of"]
