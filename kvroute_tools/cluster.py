@@ -121,6 +121,7 @@ class LocalCluster:
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
+        self.admin_token = ""  # the token in it
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -174,8 +175,9 @@ class LocalCluster:
         assert self.log_dir is not None
         path = self.log_dir / "admin-token"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.admin_token = secrets.token_urlsafe(32)
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+            f.write(self.admin_token + "\n")
         return path
 
     def _http_port(self, taken: Sequence[int]) -> int:
