@@ -42,6 +42,7 @@ from kvroute_tools.redis_server import free_port
 from replica.publisher import RedisEventPublisher
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
+from router.consumer_feed import REJECT_REASONS
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import deltas_before_deadline, started_stream, wait_for
@@ -437,6 +438,9 @@ def test_metrics_cover_decisions_overhead_index_events_prediction_and_genai(gen,
                for p in metric_points(metric_reader, "kvroute.router.index.entries")}
     assert set(entries) >= {"rep-a", "rep-b"} and sum(entries.values()) > 0
     assert metric_points(metric_reader, "kvroute.router.events.applied")[0].value > 0
+    # every reason is reported, and real replicas send no input the consumer rejects
+    rejected = {p.attributes["kvroute.reason"]: p.value for p in metric_points(metric_reader, "kvroute.router.events.rejected")}
+    assert rejected == dict.fromkeys(REJECT_REASONS, 0)
     for name in ("kvroute.router.prediction.ratio", "kvroute.router.prediction.predicted_tokens",
                  "gen_ai.server.time_to_first_token", "gen_ai.server.request.duration",
                  "kvroute.router.events.seq_gaps", "kvroute.router.events.resyncs", "kvroute.router.events.lag"):

@@ -38,6 +38,8 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["generate", "--max-tokens", "0", "hi"], "--max-tokens: must be >= 1"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0"),
         (["generate"], "the following arguments are required: text"),
+        (["generate", "--tls-cert-file", "c.pem", "hi"], "--tls-cert-file, --tls-key-file: need --tls-ca-file"),
+        (["generate", "--tls-ca-file", "/nonexistent/ca.pem", "hi"], "--tls-ca-file: cannot read /nonexistent/ca.pem"),
         (["bench", "--requests", "0"], "--requests: must be >= 1"),
         (["bench", "--tokens-per-block", "0"], "--tokens-per-block: must be >= 1"),
         (["bench", "--output-scale", "0"], "--output-scale: must be > 0"),
@@ -48,6 +50,7 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["bench", "--policies", "kvroute,"], "--policies: expected comma-separated policy names"),
         (["bench", "--target", "host-without-port"], "--target: expected HOST:PORT"),
         (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+        (["bench", "--admin-token-file", "/nonexistent/token"], "--admin-token-file: cannot read /nonexistent/token"),
     ],
 )
 def test_argument_errors_exit_2_naming_the_flag(capsys, argv, message):
