@@ -45,9 +45,13 @@ class RedisServer:
         RuntimeError: the server did not accept connections within ``timeout`` seconds.
     """
 
-    def __init__(self, port: int | None = None, timeout: float = 10.0, *, password: str | None = None):
+    def __init__(self, port: int | None = None, timeout: float = 10.0, *, password: str | None = None,
+                 tls: tuple[str, str, str] | None = None, executable: str | None = None):
         self.port = port or free_port()
         self.password = password
+        self.tls = tls
+        self.tls_port = free_port() if tls else None
+        self.executable = executable
         self.timeout = timeout
         self._dir = tempfile.mkdtemp(prefix="kvroute-redis-")
         self._proc: subprocess.Popen | None = None
@@ -56,15 +60,23 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0"
+
     def start(self) -> RedisServer:
         if self._proc is not None and self._proc.poll() is None:
             return self
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            self.executable or find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "no", "--loglevel", "warning",
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            cert, key, ca = self.tls
+            args += ["--tls-port", str(self.tls_port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:

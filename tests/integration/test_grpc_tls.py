@@ -6,16 +6,10 @@ client without a certificate where mTLS is required, a half-set TLS configuratio
 
 from __future__ import annotations
 
-import datetime
 import io
-import ipaddress
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvroute.tls import channel_credentials, server_credentials
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -27,57 +21,15 @@ from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import wait_for
+from tests.support_tls import TestCA
 
 T = 30.0
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write_key(path, key) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-
-
-class _CA:
-    """A self-signed CA that issues leaf certificates, all as PEM files under ``folder``."""
-
-    def __init__(self, folder, name: str):
-        self.folder, self.name = folder, name
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
-                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-                     .not_valid_before(now - datetime.timedelta(minutes=5))
-                     .not_valid_after(now + datetime.timedelta(days=1))
-                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                     .sign(self.key, hashes.SHA256()))
-        self.file = folder / f"{name}.pem"
-        self.file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
-
-    def issue(self, cn: str) -> tuple[str, str]:
-        """(cert file, key file) of a leaf valid for 127.0.0.1 and localhost, as server and client."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .sign(self.key, hashes.SHA256()))
-        cert_file, key_file = self.folder / f"{cn}.crt", self.folder / f"{cn}.key"
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        _write_key(key_file, key)
-        return str(cert_file), str(key_file)
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pki")
-    ca, other = _CA(folder, "kvroute-test-ca"), _CA(folder, "other-ca")
+    ca, other = TestCA(folder, "kvroute-test-ca"), TestCA(folder, "other-ca")
     return {"ca": str(ca.file), "other_ca": str(other.file), "replica": ca.issue("replica"),
             "router": ca.issue("router"), "client": ca.issue("client"), "stranger": other.issue("stranger")}
 

