@@ -3,7 +3,9 @@
 The router's only reader of the replicas' KV event streams, heartbeats and snapshots: this module
 is the Redis side (one thread of blocking redis-py calls, so request handling on the gRPC asyncio
 loop never waits on Redis); what it reads goes to :class:`router.consumer_feed.IndexFeed`, which
-runs each replica's kvroute.ordering rules and writes the index under ``index_lock``.
+runs each replica's kvroute.ordering rules and writes the index under ``index_lock``. Heartbeats
+and snapshots are read through router.consumer_reads, which turns a hostile key into one rejected
+input rather than a lost connection.
 
     Redis kvroute:{ns}:...       consumer thread (here)              IndexFeed (no I/O)
     ─────                        ──────────────────────              ──────────────────
@@ -46,12 +48,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvroute.events import EventDecodeError
 from kvroute.heartbeat import Heartbeat
 from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import RedisLayout
-from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
+from kvroute.snapshot import CacheSnapshot
 from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
+from router.consumer_reads import read_heartbeats, read_snapshot, read_snapshot_position
 from router.index import BlockIndex
 from router.registry import ReplicaInfo, ReplicaRegistry
 
@@ -321,27 +323,18 @@ class EventConsumer:
         """Feed every heartbeat to the registry; expire the missing; notice new epochs and stalls."""
         client = self._client
         assert client is not None
-        prefix = self.layout.heartbeat_key("")
-        keys = list(client.scan_iter(match=self.layout.heartbeat_pattern(), count=1000))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        for key in keys:
-            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, SNAPSHOT_HEAD_BYTES - 1)
-        results = pipe.execute() if keys else []
+        records = read_heartbeats(client, self.layout, self.feed.reject)
         now = time.monotonic()
         present: dict[str, ReplicaInfo] = {}
         heads = {}
-        for raw, head in zip(results[: len(keys)], results[len(keys):], strict=True):
-            if not raw:
-                continue  # expired between SCAN and HGETALL
+        for rid, raw, head in records:
             try:
                 info = self.registry.update_from_heartbeat(Heartbeat.from_redis(raw), now)
             except ValueError as e:
-                self.feed.reject(key.decode(errors="backslashreplace")[len(prefix):][:64], "heartbeat", str(e))
+                self.feed.reject(rid[:64], "heartbeat", str(e))
                 continue
             present[info.replica_id] = info
-            heads[info.replica_id] = snapshot_position(head)
+            heads[info.replica_id] = head
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
@@ -366,18 +359,7 @@ class EventConsumer:
     # -- snapshots -----------------------------------------------------------------------------------------
     def _get_snapshot(self, rid: str) -> CacheSnapshot | None:
         assert self._client is not None
-        data = self._client.get(self.layout.snapshot_key(rid))
-        if data is None:
-            return None
-        try:
-            snap = decode_snapshot(data)
-        except EventDecodeError as e:
-            self.feed.reject(rid, "snapshot", f"undecodable ({e})")
-            return None
-        if snap.replica_id != rid:
-            self.feed.reject(rid, "snapshot", f"it names the replica {snap.replica_id[:64]!r}")
-            return None
-        return snap
+        return read_snapshot(self._client, self.layout, rid, self.feed.reject)
 
     def _service_gaps(self) -> None:
         """For each open gap that is due: load the snapshot if it covers the hole, else ask for one."""
@@ -387,7 +369,7 @@ class EventConsumer:
         now = time.monotonic()
         for rid in self.feed.gaps_due(now):
             # The head first: an old snapshot (megabytes) is not fetched every 50 ms.
-            head = snapshot_position(client.getrange(self.layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1))
+            head = read_snapshot_position(client, self.layout, rid)
             if head is None or self.feed.covers(rid, head):
                 snap = self._get_snapshot(rid)
                 if snap is not None:

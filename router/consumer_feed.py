@@ -96,7 +96,7 @@ class IndexFeed:
     """
 
     COUNTERS = ("events_applied", "blocks_applied", "batches_applied", "stale_batches", "gaps", "resyncs",
-                "snapshot_requests", "epoch_changes", "bad_entries", "rejected", "stream_lag_seconds")
+                "snapshot_requests", "epoch_changes", "bad_entries", "stream_lag_seconds")
 
     def __init__(self, index: BlockIndex, registry: ReplicaRegistry, index_lock: threading.Lock):
         self.index = index

@@ -1,9 +1,9 @@
 """Garbage in the Redis streams next to a healthy replica (router/consumer.py, "Hostile input" in
 router/consumer_feed.py), against a real redis-server: entries with no fields, a replica id that
 is not UTF-8, a non-integer seq, a truncated batch, a batch of absurd block size, one in the wrong
-shard; an undecodable snapshot and heartbeat of a replica that does not exist. The consumer keeps
-running, counts each under its reason, and the healthy replica (a real RedisEventPublisher) is
-indexed exactly."""
+shard; an undecodable snapshot, heartbeats that name nobody, are not hashes (WRONGTYPE) or have
+a key that is not UTF-8. The consumer keeps running, counts each under its reason, and the
+healthy replica (a real RedisEventPublisher) is indexed exactly."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def test_garbage_entries_next_to_a_healthy_replica_are_counted_and_it_is_indexed
             redis_client.xadd(stream, fields)
         redis_client.set(layout.snapshot_key("evil"), b"\x0a\xff")  # read when the lost entries open a gap
         redis_client.hset(layout.heartbeat_key("ghost"), mapping={"epoch": "soon"})  # names nobody
+        redis_client.set(layout.heartbeat_key("wrongtype"), b"not a hash")  # HGETALL: WRONGTYPE
+        redis_client.set(layout.heartbeat_key("\udcff").encode(errors="surrogateescape"), b"x")  # a non-UTF-8 key
         with support_redis.running_consumer(server, layout) as consumer:
             for garbage in rounds[1:]:
                 rep.steps(3)
@@ -61,7 +63,7 @@ def test_garbage_entries_next_to_a_healthy_replica_are_counted_and_it_is_indexed
                     if i or reason not in FEED_REASONS:
                         expected[reason] = expected.get(reason, 0) + 1
             wait_for(lambda: all(consumer.rejected[r] >= n for r, n in expected.items())
-                     and consumer.rejected["heartbeat"] >= 1, what="every garbage entry rejected")
+                     and consumer.rejected["heartbeat"] >= 3, what="every garbage entry rejected")
             support_redis.wait_synced(consumer, [rep])
             assert {r: consumer.rejected[r] for r in expected} == expected == {
                 "fields": 6, "replica_id": 3, "wrong_stream": 3, "undecodable": 2, "block_size": 2}
