@@ -359,10 +359,17 @@ class BackgroundReplica(BackgroundServer):
         )
 
 
+def _check_settings(settings: ReplicaSettings) -> None:
+    """The TLS and Redis secret settings, read once before anything starts (exit 2 naming the
+    setting). Raises ValueError."""
+    server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    RedisAuth.from_settings(settings)
+
+
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica",
+    "replica", check=_check_settings,
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

@@ -272,8 +272,14 @@ class BackgroundRouter(BackgroundServer):
 
 
 def _check_settings(settings: RouterSettings) -> None:
-    """What the settings' parts check themselves, before anything starts. Raises ValueError."""
-    settings.weights()
+    """What the settings' parts check themselves, before anything starts (TLS and secret files
+    read once here, so a half-set pair or a missing file is exit 2 naming it). Raises ValueError."""
+    s = settings
+    s.weights()
+    server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+    channel_credentials(s.replica_tls_ca_file, s.replica_tls_cert_file, s.replica_tls_key_file, prefix="replica_tls_")
+    secret_from(s, "admin_token")
+    RedisAuth.from_settings(s)
 
 
 _MAIN = ServerMain(

@@ -104,3 +104,18 @@ def test_a_half_set_server_config_is_an_error_naming_the_setting(kwargs, match):
 def test_a_client_cert_without_a_ca_is_an_error_naming_the_setting():
     with pytest.raises(ValueError, match="replica_tls_cert_file, replica_tls_key_file: need replica_tls_ca_file"):
         channel_credentials("", "c.pem", "k.pem", prefix="replica_tls_")
+
+
+@pytest.mark.parametrize(("main", "argv", "message"), [
+    ("router", ["--tls-cert-file", "c.pem"], "tls_cert_file, tls_key_file: set both or neither"),
+    ("router", ["--replica-tls-cert-file", "c.pem"], "need replica_tls_ca_file"),
+    ("router", ["--admin-token-file", "/nonexistent/token"], "admin_token_file: cannot read /nonexistent/token"),
+    ("replica", ["--tls-client-ca-file", "ca.pem"], "tls_client_ca_file: needs tls_cert_file"),
+    ("replica", ["--redis-password", "a", "--redis-password-file", "f"], "redis_password, redis_password_file"),
+])
+def test_a_bad_security_setting_stops_the_process_with_exit_2_naming_it(capsys, main, argv, message):
+    import replica.server
+    import router.server
+
+    assert {"router": router.server, "replica": replica.server}[main].main(argv) == 2
+    assert message in capsys.readouterr().err
