@@ -8,8 +8,9 @@ and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ HTTP and grpc stop(grace)
-              ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
+    stop():   every status NOT_SERVING ─▶ refuse new calls ─▶ in-flight calls get ``drain`` seconds to
+              finish (SIGTERM: ``drain_timeout``), the rest are aborted ─▶ HTTP and grpc stop(grace)
+              ─▶ engine process (or thread) stopped ─▶ publisher closed    (drain + a few seconds at most)
 
 The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
 ``redis_url``). The engine process exists because a step of a small model is mostly Python: on a
@@ -248,10 +249,11 @@ class ReplicaServer:
         await self._set_all(_SERVING)
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
-            " hashing %s [%s], CPU decode attention %s",
+            " hashing %s [%s], attention backend %s (%s), CPU decode attention %s",
             self.replica_id, self.model_name, info.num_blocks, info.block_size, info.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
-            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation,
+            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation, info.attn_backend,
+            info.attn_backend_reason,
             "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
         )
 
@@ -263,7 +265,8 @@ class ReplicaServer:
             # A replica that does not publish exports no event counters (rather than zeros).
             stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
             frontend.metrics = ReplicaMetrics(
-                self.telemetry.meter("kvroute.replica"), model=self.model_name, sample=frontend.latest_sample,
+                self.telemetry.meter("kvroute.replica"), model=self.model_name, replica_id=self.replica_id,
+                sample=frontend.latest_sample,
                 publisher=stats,
             )
 
@@ -309,9 +312,10 @@ class ReplicaServer:
             await self._set_all(_NOT_SERVING)
             await self._health.set(LIVENESS, _NOT_SERVING)
 
-    async def stop(self, grace: float = 1.0) -> None:
-        """Stop: NOT_SERVING everywhere, abort in-flight calls, stop gRPC within ``grace`` seconds,
-        stop the engine process (or thread), close the publisher. Idempotent.
+    async def stop(self, grace: float = 1.0, *, drain: float = 0.0) -> None:
+        """Stop: NOT_SERVING everywhere (readiness first, so the endpoint leaves the Service), refuse
+        new calls, give the calls in flight ``drain`` seconds to finish, abort the rest, stop gRPC
+        within ``grace`` seconds, stop the engine process (or thread), close the publisher. Idempotent.
 
         The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
         that never end on their own (health ``Watch`` streams), which are cancelled after it.
@@ -321,6 +325,11 @@ class ReplicaServer:
         try:
             await self._health.enter_graceful_shutdown()
             if self.frontend is not None:
+                self.frontend.stop_admitting()
+                if drain > 0 and self.frontend.num_in_flight:
+                    log.info("replica %s: draining %d in-flight requests (up to %.1fs)",
+                             self.replica_id, self.frontend.num_in_flight, drain)
+                    await self.frontend.wait_idle(drain)
                 n = self.frontend.drain()
                 if n:
                     log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
@@ -369,7 +378,7 @@ def _check_settings(settings: ReplicaSettings) -> None:
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica", check=_check_settings,
+    "replica", drain=lambda settings: settings.drain_timeout, check=_check_settings,
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

@@ -28,6 +28,8 @@ annotation unit ``{token}``, which adds no suffix) -> vLLM v1 equivalent:
 =========================================  =================================================  ==============================
 
 (vLLM's Prometheus names carry ``_total`` on counters too, e.g. ``vllm:prefix_cache_hits_total``.)
+Every point carries ``kvroute.replica_id`` (label ``kvroute_replica_id``), the label of the router's
+per-replica metrics too; vLLM's names have ``model_name`` and ``engine`` instead.
 The three ``gen_ai.server.*`` histograms use the GenAI semantic conventions' bucket boundaries and
 attributes (``gen_ai.operation.name``, ``gen_ai.request.model``, ``error.type`` on failures).
 ``gen_ai.client.token.usage`` is a *client* metric (the router records it); the replica does not.
@@ -58,6 +60,7 @@ from kvroute.telemetry import (
     ATTR_MODEL,
     ATTR_OPERATION,
     ATTR_OUTPUT_TOKENS,
+    ATTR_REPLICA,
     ATTR_REQUEST_ID,
     REQUEST_DURATION_BUCKETS,
     TPOT_BUCKETS,
@@ -111,6 +114,8 @@ def sample_engine(engine: Any) -> EngineSample:
 class ReplicaMetrics:
     """Creates the replica's instruments on ``meter`` (names in the module docstring).
 
+    Every point carries ``kvroute.replica_id`` = ``replica_id`` (Prometheus ``kvroute_replica_id``,
+    the label the router's per-replica metrics carry: one dashboard variable selects both).
     ``sample()`` returns the latest :class:`EngineSample` (or None before the engine runs);
     ``publisher()`` returns the KV event publisher or None (its ``events_published``,
     ``batches_published`` and ``batches_dropped`` counters are exported as they are).
@@ -121,24 +126,27 @@ class ReplicaMetrics:
         meter: metrics.Meter,
         *,
         model: str,
+        replica_id: str,
         sample: Callable[[], EngineSample | None],
         publisher: Callable[[], Any] = lambda: None,
     ) -> None:
         self._sample = sample
         self._publisher = publisher
         self.model = model
+        self._replica = {ATTR_REPLICA: replica_id}
+        replica = self._replica
 
         def engine_value(attr: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
             def cb(_options: CallbackOptions) -> Iterable[Observation]:
                 s = self._sample()
-                return [] if s is None else [Observation(getattr(s, attr))]
+                return [] if s is None else [Observation(getattr(s, attr), replica)]
 
             return cb
 
         def publisher_value(attr: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
             def cb(_options: CallbackOptions) -> Iterable[Observation]:
                 p = self._publisher()
-                return [] if p is None else [Observation(int(getattr(p, attr, 0)))]
+                return [] if p is None else [Observation(int(getattr(p, attr, 0)), replica)]
 
             return cb
 
@@ -217,7 +225,7 @@ class ReplicaMetrics:
         """Record one ended call, refused ones included (0 tokens). ``ttft_s`` is None when no token
         was produced; ``error_type`` is the gRPC status name of a failed call. TTFT and TPOT are
         recorded for successful calls only (the spec's "for successful responses")."""
-        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model}
+        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model, **self._replica}
         self.prompt_tokens.add(prompt_tokens, attrs)
         self.generation_tokens.add(completion_tokens, attrs)
         if error_type is None:

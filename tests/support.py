@@ -71,6 +71,22 @@ def concurrent_stream_outcomes(target: str, n: int, max_tokens: int = 4) -> dict
     return {k: outcomes.count(k) for k in set(outcomes)}
 
 
+def scrape_metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET a Prometheus endpoint (``http://host:port/metrics``) -> {sample name: [(labels, value), ...]}
+    (sample names as exposed: ``_total``, ``_bucket``, ``_count`` and ``_sum`` included)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
 NUM_SPECIAL = 5  # the default model's special tokens are its last 5 ids: never in random prompts
 
 

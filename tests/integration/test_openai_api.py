@@ -433,6 +433,7 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
     import subprocess
 
     from kvroute_tools.cluster import ClusterConfig, LocalCluster
+    from kvroute_tools.up import banner as up_banner
     from kvroute_tools.up import substitute
 
     router = servers["router"]
@@ -441,7 +442,7 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
         cluster.router = type("Router", (), {"target": router.target, "pid": 1})()  # type: ignore[assignment]
         cluster.replicas, cluster.model_dir = [], str(default_model_dir)
         cluster.router_http_url = http_base(router)
-        banner = cluster.banner()
+        banner = up_banner(cluster)
         assert f"  openai      {http_base(router)} " in banner
         (curl,) = [line.strip() for line in banner.splitlines() if line.strip().startswith("curl ")]
         done = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=T, check=True)

@@ -442,8 +442,8 @@ def test_metrics_cover_decisions_overhead_index_events_prediction_and_genai(gen,
     rejected = {p.attributes["kvroute.reason"]: p.value for p in metric_points(metric_reader, "kvroute.router.events.rejected")}
     assert rejected == dict.fromkeys(REJECT_REASONS, 0)
     for name in ("kvroute.router.prediction.ratio", "kvroute.router.prediction.predicted_tokens",
-                 "gen_ai.server.time_to_first_token", "gen_ai.server.request.duration",
-                 "kvroute.router.events.seq_gaps", "kvroute.router.events.resyncs", "kvroute.router.events.lag"):
+                 "gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token",
+                 "gen_ai.server.request.duration", "kvroute.router.events.seq_gaps", "kvroute.router.events.resyncs", "kvroute.router.events.lag"):
         assert metric_points(metric_reader, name), name
     usage = {p.attributes["gen_ai.token.type"] for p in metric_points(metric_reader, "gen_ai.client.token.usage")}
     assert usage == {"input", "output"}
