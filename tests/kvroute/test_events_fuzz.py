@@ -21,7 +21,7 @@ from kvroute.events import (
 from kvroute.snapshot import CacheSnapshot, decode_snapshot, encode_snapshot, snapshot_position
 from kvroute.v1 import events_pb2
 
-FUZZ = settings(max_examples=200, deadline=None)
+FUZZ = settings(max_examples=150, deadline=None)
 u64 = st.integers(0, 2**64 - 1)
 hashes = st.lists(u64, max_size=8).map(tuple)
 text = st.text(max_size=12)

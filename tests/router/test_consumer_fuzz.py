@@ -51,7 +51,7 @@ def _consumer() -> EventConsumer:
                          ReplicaRegistry(BlockHasher().identity, "redis"), index_lock=threading.Lock())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(hostile_fields(), max_size=12), st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=3),
                                                          min_size=1, max_size=6))
 def test_hostile_entries_never_raise_nor_disturb_a_healthy_replica(hostile, healthy_steps):
