@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_pa
 run: venv
 	$(PY) -m kvroute_tools up --replicas 4 --router-port 0 --num-blocks 14336 -- \
 	  $(PY) -m kvroute_tools bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
-	  --concurrency 16 --interleave 200 --policies kvroute,round_robin
+	  --concurrency 16 --interleave 200 --policies kvroute,round_robin --admin-token-file {admin_token_file}
 
 # The layering contracts first (import-linter, [tool.importlinter] in pyproject.toml): a broken
 # one fails the target before the suite runs.

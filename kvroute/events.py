@@ -54,6 +54,12 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+MAX_EVENT_HASHES = 1 << 20
+"""Block hashes one KVEvent may carry (a reader's bound: an engine step stores or evicts far fewer)."""
+MAX_BATCH_BYTES = 64 << 20
+"""Bytes one encoded KVEventBatch may have (a reader's bound, checked before parsing)."""
+
+
 class EventDecodeError(ValueError):
     """A KVEventBatch (or an extra key inside it) could not be decoded."""
 
@@ -149,6 +155,30 @@ def decode_batch(data: bytes) -> tuple[float, list[KVCacheEvent]]:
     """
     batch = parse_message(events_pb2.KVEventBatch, data)
     return batch.ts, [event_from_pb(m) for m in batch.events]
+
+
+def batch_problem(batch: events_pb2.KVEventBatch, block_size: int) -> tuple[str, str] | None:
+    """Why a decoded batch cannot come from a replica whose KV block size is ``block_size``, as
+    ``(reason, detail)``, or None when it can. Reasons: ``hash_count`` (an event with more than
+    :data:`MAX_EVENT_HASHES` hashes, or a BlockStored with more token ids than its blocks hold);
+    ``block_size`` (a BlockStored whose block_size is neither 0, as the CPU tier sends, nor
+    ``block_size``). Unknown media are not a problem here: a reader skips those events."""
+    for i, ev in enumerate(batch.events):
+        which = ev.WhichOneof("event")
+        if which == "block_stored":
+            s = ev.block_stored
+            n = len(s.block_hashes)
+            if s.block_size not in (0, block_size):
+                return "block_size", f"event {i}: block_size {s.block_size} != {block_size}"
+            if len(s.token_ids) > n * block_size:
+                return "hash_count", f"event {i}: {len(s.token_ids)} token ids for {n} blocks of {block_size}"
+        elif which == "block_removed":
+            n = len(ev.block_removed.block_hashes)
+        else:
+            continue
+        if n > MAX_EVENT_HASHES:
+            return "hash_count", f"event {i}: {n} hashes > {MAX_EVENT_HASHES}"
+    return None
 
 
 def parse_message(message_type: type[M], data: bytes) -> M:

@@ -15,6 +15,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -22,9 +23,32 @@ ENV_PREFIX = "KVROUTE_"
 
 
 def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False) -> Any:  # noqa: A002
-    """A dataclass field with a help text (and optional choices) for the flag; a ``secret`` one is
-    left out of the settings object's repr (so a logged or printed settings object shows no password)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices}, repr=not secret)
+    """A dataclass field with a help text (and optional choices) for the flag; a ``secret`` one
+    (a password, a token) is left out of the settings' ``repr``."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
+
+
+def secret_from(settings: Any, name: str) -> str | None:
+    """A secret given either as the setting ``name`` (best from its ``KVROUTE_*`` variable) or as
+    the first line of the file the setting ``{name}_file`` names; None when neither is set.
+
+    Raises:
+        ValueError: both are set, or the file cannot be read or is empty (the message names the
+            setting, never the secret).
+    """
+    value = getattr(settings, name) or None
+    path = getattr(settings, f"{name}_file")
+    if not path:
+        return value
+    if value is not None:
+        raise ValueError(f"{name}, {name}_file: set one, not both")
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{name}_file: cannot read {path} ({e.strerror})") from e
+    if not lines or not lines[0]:
+        raise ValueError(f"{name}_file: {path} is empty")
+    return lines[0]
 
 
 def _base_type(tp: Any) -> type:

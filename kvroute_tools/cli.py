@@ -32,7 +32,6 @@ import shlex
 import sys
 
 
-
 def int_in(lo: int, hi: int):
     """An argparse ``type``: an int in ``[lo, hi]``, else the usage line and exit 2 naming the flag."""
 
@@ -82,6 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_main(
         args.target, text, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         cache_salt=args.cache_salt, ignore_eos=args.ignore_eos, seed=args.seed, timeout=args.timeout,
+        credentials=args.credentials,
     )
 
 
@@ -147,6 +147,26 @@ def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--temperature: must be >= 0, got {args.temperature}")
     if args.timeout is not None and args.timeout <= 0:
         p.error(f"--timeout: must be > 0, got {args.timeout}")
+    from kvroute.tls import channel_credentials
+
+    try:
+        args.credentials = channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    except ValueError as e:  # the message names the settings: say the flags
+        message = str(e)
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        p.error(message)
+
+
+def _admin_token(path: str) -> str:
+    """The router's admin token from ``--admin-token-file`` ("" when not given). Raises ValueError."""
+    from kvroute.settings import secret_from
+
+    flags = argparse.Namespace(admin_token="", admin_token_file=path)
+    try:
+        return secret_from(flags, "admin_token") or ""
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("admin_token_file", "admin-token-file")) from e
 
 
 def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -162,7 +182,7 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             max_output_tokens=args.max_output_tokens, time_scale=args.time_scale, concurrency=args.concurrency,
             policies=tuple(s.strip() for s in args.policies.split(",")), interleave=args.interleave, out=args.out,
             request_timeout=args.request_timeout, progress=not args.no_progress, api=args.api,
-            http_url=args.http_url,
+            http_url=args.http_url, admin_token=_admin_token(args.admin_token_file),
         )
     except ValueError as e:
         p.error(str(e))
@@ -237,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-salt", default="", help="prefix-cache isolation key (tenant)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")
+    g.add_argument("--tls-ca-file", default="", help="CA bundle (PEM) that verifies the router: set = TLS")
+    g.add_argument("--tls-cert-file", default="", help="client certificate (PEM) for a router that requires mTLS")
+    g.add_argument("--tls-key-file", default="", help="client private key (PEM) of --tls-cert-file")
     g.set_defaults(func=_generate, check=_check_generate)
 
     h = sub.add_parser("health", help="exit 0 when a router is ready and has a routable replica",
@@ -272,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write bench.json and bench.png into this folder")
     b.add_argument("--request-timeout", type=float, default=300.0, help="deadline per request, seconds")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--admin-token-file", default="",
+                   help="file holding the router's admin token, sent with SetPolicy (kvroute up: {admin_token_file})")
     b.add_argument("--api", default="grpc", choices=("grpc", "openai"),
                    help="send the replay over gRPC (default) or the router's OpenAI-compatible HTTP API")
     b.add_argument("--http-url", default="", help="with --api openai: the router's HTTP API, http://HOST:PORT/v1")

@@ -19,6 +19,7 @@ from typing import TextIO
 import grpc
 
 from kvroute import responses
+from kvroute.tls import open_channel
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 
@@ -95,8 +96,10 @@ def build_request(
 
 def stream_generate(
     target: str, request: gen_pb.GenerateRequest, *, timeout: float | None = None, out: TextIO | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> StreamResult:
-    """Stream ``request`` from the router at ``target``, writing each delta's text to ``out``.
+    """Stream ``request`` from the router at ``target``, writing each delta's text to ``out``;
+    over TLS with ``credentials`` (kvroute.tls.channel_credentials), else plaintext.
 
     Raises:
         grpc.RpcError: the call failed (see :func:`describe_rpc_error`).
@@ -105,7 +108,7 @@ def stream_generate(
     ttft = None
     final = None
     parts: list[str] = []
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, credentials) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
         for resp in stub.GenerateStream(request, timeout=timeout):
             if ttft is None:
@@ -148,16 +151,17 @@ def _ms(seconds: float | None) -> str:
 def generate_main(
     target: str, text: str, *, chat: bool = False, max_tokens: int | None = None, temperature: float | None = None,
     cache_salt: str = "", ignore_eos: bool = False, seed: int | None = None, timeout: float | None = None,
-    out: TextIO | None = None, err: TextIO | None = None,
+    out: TextIO | None = None, err: TextIO | None = None, credentials: grpc.ChannelCredentials | None = None,
 ) -> int:
     """``kvroute generate``: 0 on a finished stream, 1 on an RPC failure (one line on ``err``), 130
-    on Ctrl-C (nothing more is printed: the text streamed so far is all the user gets)."""
+    on Ctrl-C (nothing more is printed: the text streamed so far is all the user gets);
+    ``credentials``: TLS to the router (``--tls-ca-file`` ...)."""
     out = out or sys.stdout
     err = err or sys.stderr
     request = build_request(text, chat=chat, max_tokens=max_tokens, temperature=temperature,
                             cache_salt=cache_salt, ignore_eos=ignore_eos, seed=seed)
     try:
-        result = stream_generate(target, request, timeout=timeout, out=out)
+        result = stream_generate(target, request, timeout=timeout, out=out, credentials=credentials)
     except grpc.RpcError as e:
         out.flush()
         err.write(("\n" if out is err else "") + f"kvroute generate: {describe_rpc_error(e, target)}\n")

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.process import dial_host
+from kvroute.redis_connect import connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
@@ -119,6 +121,8 @@ class LocalCluster:
         self.replicas: list[Child] = []
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
+        self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
+        self.admin_token = ""  # the token in it
         self.metrics_urls: dict[str, str] = {}  # process name -> http://host:port/metrics (with metrics)
         self.model_dir = config.model
         self._stopped = False
@@ -146,6 +150,7 @@ class LocalCluster:
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.admin_token_file = self._write_admin_token()
             router_port, replica_ports = self._ports()
             http_port = self._http_port([router_port, *replica_ports])
             metrics_ports = self._metrics_ports([router_port, *replica_ports, http_port])
@@ -169,6 +174,16 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _write_admin_token(self) -> Path:
+        """A fresh admin token for this cluster's router, in a file only this user can read."""
+        assert self.log_dir is not None
+        path = self.log_dir / "admin-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.admin_token = secrets.token_urlsafe(32)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_token + "\n")
+        return path
 
     def _http_port(self, taken: Sequence[int]) -> int:
         """The router's HTTP port (-1: off); sets ``router_http_url``.
@@ -246,9 +261,10 @@ class LocalCluster:
         import redis
 
         try:
-            redis.Redis.from_url(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
+            connect(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
         except (redis.RedisError, ValueError) as e:
-            raise ClusterError(f"--redis-url: cannot reach {self.redis_url} ({e})") from e
+            problem = describe_error(self.redis_url, e).partition(": ")[2]
+            raise ClusterError(f"--redis-url: cannot reach {redact(self.redis_url)} ({problem})") from e
 
     def _resolve_model(self) -> None:
         """Generate the default model once, before N replicas would race to write it."""
@@ -288,7 +304,8 @@ class LocalCluster:
     def _router_argv(self, port: int, http_port: int) -> list[str]:
         cfg = self.config
         return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--http-port", str(http_port),
-                "--redis-url", self.redis_url, "--namespace", cfg.namespace, *self._model_flags(), *cfg.router_args]
+                "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--admin-token-file", str(self.admin_token_file),
+                *self._model_flags(), *cfg.router_args]
 
     def _died(self, child: Child, when: str) -> str:
         tail = child.log_tail()
@@ -352,36 +369,6 @@ class LocalCluster:
     def describe_death(self, child: Child) -> str:
         return self._died(child, "unexpectedly")
 
-    def banner(self) -> str:
-        t = self.router_target
-        def metrics(name: str) -> str:
-            url = self.metrics_urls.get(name)
-            return f"  metrics {url}" if url else ""
-
-        lines = [
-            f"kvroute up: {len(self.replicas)} replicas and a router are ready (logs in {self.log_dir})",
-            f"  {'router':<11} {t:<22} pid {self.router.pid if self.router else '-'}{metrics('router')}",
-        ]
-        for c in self.replicas:
-            lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}{metrics(c.name)}")
-        if self.redis is not None:
-            lines.append(f"  {'redis':<11} {self.redis_url:<22} pid {self.redis.pid} (embedded)")
-        else:
-            lines.append(f"  {'redis':<11} {self.redis_url}")
-        lines.append(f"  model       {self.model_dir}")
-        lines += [
-            "Try:",
-            f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",
-            f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\", \"sampling\": {{\"max_tokens\": 16}}}}' "
-            f"{t} kvroute.v1.GenerationService/GenerateStream",
-            f"  kvroute bench --target {t} --requests 200",
-        ]
-        if self.router_http_url:
-            lines.insert(-4, f"  openai      {self.router_http_url} (the router's OpenAI-compatible HTTP API)")
-            body = json.dumps({"model": Path(self.model_dir).name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
-            lines.append(f"  curl {self.router_http_url}/completions -H 'Content-Type: application/json' -d '{body}'")
-        return "\n".join(lines)
-
     # -- stop ------------------------------------------------------------------------------------
     def stop(self) -> None:
         """Router and replicas first (SIGTERM, wait, SIGKILL), then redis. Idempotent."""
@@ -393,7 +380,5 @@ class LocalCluster:
         stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
         if self.redis is not None:
             stop_all([self.redis], 5.0)
-
-
 
 __all__ = ["EXAMPLE_PROMPT", "ClusterConfig", "ClusterError", "LocalCluster"]

@@ -38,14 +38,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     """A redis-server child process on 127.0.0.1:``port``; ``url`` to connect; ``stop()`` /
-    ``start()`` to kill and restart it on the same port (fault tests).
+    ``start()`` to kill and restart it on the same port (fault tests). ``password``: started
+    with ``--requirepass`` (``url`` then has no password in it; clients pass it).
 
     Raises:
         RuntimeError: the server did not accept connections within ``timeout`` seconds.
     """
 
-    def __init__(self, port: int | None = None, timeout: float = 10.0):
+    def __init__(self, port: int | None = None, timeout: float = 10.0, *, password: str | None = None,
+                 tls: tuple[str, str, str] | None = None, executable: str | None = None):
         self.port = port or free_port()
+        self.password = password
+        self.tls = tls
+        self.tls_port = free_port() if tls else None
+        self.executable = executable
         self.timeout = timeout
         self._dir = tempfile.mkdtemp(prefix="kvroute-redis-")
         self._proc: subprocess.Popen | None = None
@@ -54,13 +60,23 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0"
+
     def start(self) -> RedisServer:
         if self._proc is not None and self._proc.poll() is None:
             return self
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            self.executable or find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "no", "--loglevel", "warning",
         ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.tls:
+            cert, key, ca = self.tls
+            args += ["--tls-port", str(self.tls_port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -68,7 +84,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with status {self._proc.returncode} on port {self.port}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (and asking for the password)
                     return self
             time.sleep(0.02)
         self.stop()

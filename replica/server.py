@@ -44,9 +44,10 @@ from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
-from kvroute.redis_auth import redis_auth
+from kvroute.redis_connect import RedisAuth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
+from kvroute.tls import bind, server_credentials
 from kvroute.v1 import generation_pb2, replica_pb2
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
@@ -135,8 +136,7 @@ def _make_publisher(
     return make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
-        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen,
-        redis_options=redis_auth(s.redis_password, s.redis_ca_file),
+        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, auth=RedisAuth.from_settings(s),
     )
 
 
@@ -217,7 +217,8 @@ class ReplicaServer:
         # so_reuseport off: a second replica on a taken port must fail, not share the port.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server = server
-        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        self.port = bind(server, f"{s.host}:{s.port}", server_credentials(s.tls_cert_file, s.tls_key_file,
+                                                                          s.tls_client_ca_file))
         if not self.port:
             raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
         wildcard = s.host in WILDCARD_HOSTS
@@ -227,7 +228,8 @@ class ReplicaServer:
             from replica.publisher.id_check import claim_replica_id
 
             layout = RedisLayout(s.namespace, s.event_shards)
-            await asyncio.to_thread(claim_replica_id, s.redis_url, layout, self.replica_id, self.address)
+            await asyncio.to_thread(claim_replica_id, s.redis_url, layout, self.replica_id, self.address,
+                                    RedisAuth.from_settings(s))
         tracer = None
         if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
             tracer = self.telemetry.tracer("kvroute.replica")
@@ -381,10 +383,18 @@ class BackgroundReplica(BackgroundServer):
         )
 
 
+def _check_settings(settings: ReplicaSettings) -> None:
+    """The TLS and Redis secret settings, read once before anything starts (exit 2 naming the
+    setting). Raises ValueError."""
+    server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    RedisAuth.from_settings(settings)
+
+
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica", drain=lambda settings: settings.drain_timeout, plain_errors=(ReplicaIdInUseError,),
+    "replica", drain=lambda settings: settings.drain_timeout, check=_check_settings,
+    plain_errors=(ReplicaIdInUseError,),
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

@@ -29,6 +29,7 @@ class ReplicaSettings:
     redis_password: str = setting(
         "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
     )
+    redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
     redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
@@ -62,6 +63,9 @@ class ReplicaSettings:
     cpu_offload_blocks: int = setting(0, "CPU-tier KV blocks (0 = no CPU tier)")
     torch_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     seed: int = setting(0, "seed of the shared sampling generator")
+    tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
+    tls_key_file: str = setting("", "gRPC server private key (PEM)")
+    tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
     enforce_eager: bool = setting(False, "never run decode steps as CUDA graphs")
 
     @property

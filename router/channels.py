@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.tls import open_channel
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 
 # Reconnect quickly to a replica that was down (the default backoff starts at 1 s and grows to
@@ -31,11 +32,14 @@ class ReplicaChannels:
     Channels reconnect on their own, so a replica that restarts at the same address keeps its
     channel. ``prune`` closes the channels of addresses no replica advertises any more that have
     not been used for ``idle_s`` seconds (pods come and go in Kubernetes; their channels must not
-    pile up), never one with a call in flight.
+    pile up), never one with a call in flight. ``credentials``: TLS to the replicas
+    (kvroute.tls.channel_credentials; None = plaintext).
     """
 
-    def __init__(self, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS, idle_s: float = 300.0):
+    def __init__(self, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS, idle_s: float = 300.0,
+                 credentials: grpc.ChannelCredentials | None = None):
         self._options = list(options)
+        self._credentials = credentials
         self.idle_s = idle_s
         self._entries: dict[str, _Channel] = {}
         self._closing: set[asyncio.Task] = set()
@@ -43,7 +47,7 @@ class ReplicaChannels:
     def stub(self, address: str) -> rep_grpc.ReplicaServiceStub:
         entry = self._entries.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = open_channel(address, self._credentials, aio=True, options=self._options)
             entry = self._entries[address] = _Channel(channel, rep_grpc.ReplicaServiceStub(channel))
         entry.last_used = time.monotonic()
         return entry.stub

@@ -3,7 +3,9 @@
 The router's only reader of the replicas' KV event streams, heartbeats and snapshots: this module
 is the Redis side (one thread of blocking redis-py calls, so request handling on the gRPC asyncio
 loop never waits on Redis); what it reads goes to :class:`router.consumer_feed.IndexFeed`, which
-runs each replica's kvroute.ordering rules and writes the index under ``index_lock``.
+runs each replica's kvroute.ordering rules and writes the index under ``index_lock``. Heartbeats
+and snapshots are read through router.consumer_reads, which turns a hostile key into one rejected
+input rather than a lost connection.
 
     Redis kvroute:{ns}:...       consumer thread (here)              IndexFeed (no I/O)
     ─────                        ──────────────────────              ──────────────────
@@ -41,18 +43,18 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvroute.events import EventDecodeError
 from kvroute.heartbeat import Heartbeat
-from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
-from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
-from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed
+from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
+from kvroute.redis_layout import RedisLayout
+from kvroute.snapshot import CacheSnapshot
+from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
+from router.consumer_reads import read_heartbeats, read_snapshot, read_snapshot_position
 from router.index import BlockIndex
 from router.registry import ReplicaInfo, ReplicaRegistry
 
@@ -90,7 +92,7 @@ class EventConsumer:
         block_ms: XREAD BLOCK timeout; also how late ``stop`` can be.
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
-        redis_options: more ``from_url`` keyword arguments (AUTH, TLS: ``kvroute.redis_auth``).
+        auth: the Redis credentials (kvroute.redis_connect; default none).
 
     Raises:
         ValueError: a non-positive ``heartbeat_poll_interval`` or ``block_ms``.
@@ -107,7 +109,8 @@ class EventConsumer:
     resyncs = _from_feed("resyncs", "Snapshot loads that closed a gap.")
     snapshot_requests = _from_feed("snapshot_requests", "Snapshot requests published.")
     epoch_changes = _from_feed("epoch_changes", "Replica restarts seen (new epochs).")
-    bad_entries = _from_feed("bad_entries", "Entries with missing fields or an undecodable batch.")
+    bad_entries = _from_feed("bad_entries", "Entries rejected whole (router.consumer_feed: hostile input).")
+    rejected = _from_feed("rejected", "Rejected inputs per reason (router.consumer_feed.REJECT_REASONS).")
     stream_lag_seconds = _from_feed("stream_lag_seconds", "Wall clock minus the batch ts at the last applied batch.")
 
     def __init__(
@@ -121,12 +124,12 @@ class EventConsumer:
         block_ms: int = 100,
         expiry_grace: float = 3.0,
         index_lock: threading.Lock | None = None,
-        redis_options: Mapping[str, Any] | None = None,
+        auth: RedisAuth | None = None,
     ):
         if heartbeat_poll_interval <= 0 or block_ms < 1:
             raise ValueError("heartbeat_poll_interval, block_ms: must be > 0")
         self.redis_url = redis_url
-        self._redis_options = dict(redis_options or {})  # may hold the password: never logged
+        self.auth = auth
         self.layout = layout
         self.index = index
         self.registry = registry
@@ -193,6 +196,7 @@ class EventConsumer:
         """The counters above as one dict (metrics export)."""
         return {
             **{name: getattr(self.feed, name) for name in IndexFeed.COUNTERS},
+            "rejected": dict(self.feed.rejected),
             "reconnects": self.reconnects,
             "connected": self.connected,
             "entries": self.entries(),
@@ -213,7 +217,7 @@ class EventConsumer:
                     self._bootstrap()
                 self._step()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-                log.warning("kv consumer: lost Redis at %s (%s); reconnecting", self.redis_url, e)
+                log.warning("kv consumer: lost Redis (%s); reconnecting", describe_error(self.redis_url, e))
                 self._logged_down = True
                 self._disconnect()
                 self._stop.wait(_MIN_BACKOFF_S)
@@ -225,9 +229,8 @@ class EventConsumer:
 
     def _connect(self) -> bool:
         try:
-            client = redis.Redis.from_url(
-                self.redis_url,
-                **self._redis_options,
+            client = connect(
+                self.redis_url, self.auth,
                 socket_connect_timeout=1.0,
                 socket_timeout=self.block_ms / 1000 + 5.0,
                 retry=Retry(NoBackoff(), 0),
@@ -235,12 +238,12 @@ class EventConsumer:
             client.ping()
         except (redis.RedisError, OSError) as e:
             if not self._logged_down:  # once per outage, not once per retry
-                log.warning("kv consumer: Redis at %s unreachable (%s); retrying", self.redis_url, e)
+                log.warning("kv consumer: Redis unreachable (%s); retrying", describe_error(self.redis_url, e))
                 self._logged_down = True
             return False
         if self._bootstrapped_once:
             self.reconnects += 1
-            log.info("kv consumer: reconnected to Redis at %s; re-bootstrapping", self.redis_url)
+            log.info("kv consumer: reconnected to Redis at %s; re-bootstrapping", redact(self.redis_url))
         self._logged_down = False
         self._client = client
         self.connected = True
@@ -298,7 +301,12 @@ class EventConsumer:
                 caught_up = False
             backlog = self._backlog_until.get(name)
             for entry_id, fields in entries:
-                self._handle_entry(entry_id, fields, backlog)
+                try:
+                    self._handle_entry(name, entry_id, fields, backlog)
+                except redis.RedisError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one entry must not stall every replica
+                    self.feed.reject(replica_of(fields), "error", f"entry {entry_id!r}: {e!r}", exc_info=True)
             self._stream_ids[name] = entries[-1][0]
         self._caught_up = caught_up
         if caught_up:
@@ -307,44 +315,27 @@ class EventConsumer:
                 self._ready.set()
         self._service_gaps()
 
-    def _handle_entry(self, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
-        try:
-            rid = fields[F_REPLICA_ID].decode()
-            epoch = int(fields[F_EPOCH])
-            seq = int(fields[F_SEQ])
-            data = fields[F_BATCH]
-        except (KeyError, ValueError, UnicodeDecodeError):
-            self.feed.bad_entries += 1
-            return
+    def _handle_entry(self, stream: str, entry_id: bytes, fields: dict, backlog: tuple[int, int] | None) -> None:
         history = backlog is not None and _parse_id(entry_id) <= backlog
-        self.feed.entry(rid, epoch, seq, data, history=history)
+        self.feed.stream_entry(stream, entry_id, fields, self.layout.events_stream, history=history)
 
     # -- heartbeats ------------------------------------------------------------------------------------
     def _poll_heartbeats(self, *, bootstrap: bool) -> dict[str, ReplicaInfo]:
         """Feed every heartbeat to the registry; expire the missing; notice new epochs and stalls."""
         client = self._client
         assert client is not None
-        prefix = self.layout.heartbeat_key("")
-        keys = list(client.scan_iter(match=self.layout.heartbeat_pattern(), count=1000))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        for key in keys:
-            pipe.getrange(self.layout.snapshot_key(key.decode()[len(prefix):]), 0, SNAPSHOT_HEAD_BYTES - 1)
-        results = pipe.execute() if keys else []
+        records = read_heartbeats(client, self.layout, self.feed.reject)
         now = time.monotonic()
         present: dict[str, ReplicaInfo] = {}
         heads = {}
-        for raw, head in zip(results[: len(keys)], results[len(keys):], strict=True):
-            if not raw:
-                continue  # expired between SCAN and HGETALL
+        for rid, raw, head in records:
             try:
                 info = self.registry.update_from_heartbeat(Heartbeat.from_redis(raw), now)
             except ValueError as e:
-                log.warning("kv consumer: ignoring a heartbeat: %s", e)
+                self.feed.reject(rid[:64], "heartbeat", str(e))
                 continue
             present[info.replica_id] = info
-            heads[info.replica_id] = snapshot_position(head)
+            heads[info.replica_id] = head
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
@@ -370,14 +361,7 @@ class EventConsumer:
     # -- snapshots -----------------------------------------------------------------------------------------
     def _get_snapshot(self, rid: str) -> CacheSnapshot | None:
         assert self._client is not None
-        data = self._client.get(self.layout.snapshot_key(rid))
-        if data is None:
-            return None
-        try:
-            return decode_snapshot(data)
-        except EventDecodeError as e:
-            log.warning("kv consumer: %s: undecodable snapshot (%s)", rid, e)
-            return None
+        return read_snapshot(self._client, self.layout, rid, self.feed.reject)
 
     def _service_gaps(self) -> None:
         """For each open gap that is due: load the snapshot if it covers the hole, else ask for one."""
@@ -387,7 +371,7 @@ class EventConsumer:
         now = time.monotonic()
         for rid in self.feed.gaps_due(now):
             # The head first: an old snapshot (megabytes) is not fetched every 50 ms.
-            head = snapshot_position(client.getrange(self.layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1))
+            head = read_snapshot_position(client, self.layout, rid)
             if head is None or self.feed.covers(rid, head):
                 snap = self._get_snapshot(rid)
                 if snap is not None:

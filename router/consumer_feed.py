@@ -13,6 +13,18 @@ to apply -> BlockStored ``index.add``, BlockRemoved ``index.remove``, AllBlocksC
 ``index.clear_replica``, each with the event's whole hash list; a snapshot -> ``index.load``,
 then the held batches after it. An undecodable batch is a lost entry (kvroute.ordering).
 
+Hostile input (anyone who can write to the streams feeds this): an entry that cannot be a
+replica's is **rejected**: counted in ``rejected[reason]`` (the metric
+``kvroute.router.events.rejected``), logged once per replica and reason, and, when its replica
+and seq are known, taken as lost (a gap: the snapshot resyncs). Reasons (:data:`REJECT_REASONS`):
+``fields`` (a missing or non-integer replica_id / epoch / seq / batch field), ``replica_id`` (not
+UTF-8, or empty), ``wrong_stream`` (an entry in a stream its replica id does not shard to),
+``too_large`` (over kvroute.events.MAX_BATCH_BYTES), ``undecodable``, ``hash_count`` and
+``block_size`` (kvroute.events.batch_problem), ``medium`` (one event of an unknown medium, skipped;
+the rest of its batch applies), ``snapshot`` (a snapshot that does not parse or names another
+replica), ``heartbeat`` (a heartbeat that does not parse), ``error`` (an entry whose handling
+raised: logged with its traceback; the other replicas go on).
+
 Gap pacing (the consumer's side of a gap): each open gap's snapshot key is checked every
 ``SNAPSHOT_POLL_S`` (at once when the gap opens), and a snapshot request is published at most
 every ``REQUEST_EVERY_S`` per replica and epoch.
@@ -24,11 +36,14 @@ plain ints, read from any thread; :class:`router.consumer.EventConsumer` documen
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable, Mapping
 
-from kvroute.events import GPU, MEDIA, EventDecodeError, parse_message
+from kvroute.events import GPU, MAX_BATCH_BYTES, MEDIA, EventDecodeError, batch_problem, parse_message
 from kvroute.ordering import Decision, ReplicaStream
+from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ
 from kvroute.snapshot import CacheSnapshot
 from kvroute.v1 import events_pb2
 from router.index import BlockIndex
@@ -39,8 +54,20 @@ log = logging.getLogger("router.consumer")  # one logger for the consumer, which
 SNAPSHOT_POLL_S = 0.05  # how often an open gap re-reads the snapshot key
 REQUEST_EVERY_S = 1.0  # how often an open gap re-publishes its snapshot request
 MAX_GONE = 4096  # expired replicas remembered (their late entries are ignored)
+REJECT_REASONS = ("fields", "replica_id", "wrong_stream", "too_large", "undecodable", "hash_count", "block_size",
+                  "medium", "snapshot", "heartbeat", "error")
+_ENTRY_REASONS = frozenset(REJECT_REASONS) - {"medium", "snapshot", "heartbeat"}  # whole entries skipped
+_MAX_LOGGED = 10000  # (replica, reason) pairs remembered as logged: garbage ids must not grow memory
 
 Batch = events_pb2.KVEventBatch
+
+
+def replica_of(fields: Mapping[bytes, bytes]) -> str:
+    """A printable name for the replica a stream entry claims to be of (logs only)."""
+    raw = fields.get(F_REPLICA_ID) if isinstance(fields, Mapping) else None
+    if isinstance(raw, bytes):
+        return raw[:64].decode(errors="backslashreplace") or "<empty replica_id>"
+    return "<no replica_id>"
 
 
 class _Replica:
@@ -86,8 +113,26 @@ class IndexFeed:
         self.resyncs = 0
         self.snapshot_requests = 0
         self.epoch_changes = 0
-        self.bad_entries = 0
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self._logged: set[tuple[str, str]] = set()
         self.stream_lag_seconds = 0.0
+        self._block_size = registry.expected_identity[2]
+
+    @property
+    def bad_entries(self) -> int:
+        """Stream entries rejected whole (every reason but ``medium``, ``snapshot``, ``heartbeat``)."""
+        return sum(n for reason, n in self.rejected.items() if reason in _ENTRY_REASONS)
+
+    def reject(self, rid: str, reason: str, detail: str, *, exc_info: bool = False) -> None:
+        """Count one rejected input of replica ``rid`` (as far as it can be told) under ``reason``
+        (one of :data:`REJECT_REASONS`); the first of each replica and reason is logged."""
+        self.rejected[reason] += 1
+        key = (rid, reason)
+        if key in self._logged or len(self._logged) >= _MAX_LOGGED:
+            return
+        self._logged.add(key)
+        log.warning("kv consumer: %s: rejected (%s): %s; further %s rejections of it are counted, not logged",
+                    rid, reason, detail, reason, exc_info=exc_info)
 
     # -- replicas ----------------------------------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -118,6 +163,33 @@ class IndexFeed:
         return rep
 
     # -- entries -----------------------------------------------------------------------------------------
+    def stream_entry(self, stream: str, entry_id: bytes, fields: Mapping[bytes, bytes],
+                     stream_of: Callable[[str], str], *, history: bool) -> None:
+        """One stream entry as redis-py returns it (field name -> bytes), read from ``stream``
+        (``stream_of(replica_id)``: the stream that id shards to): its fields checked, then
+        :meth:`entry`; rejected under ``fields``, ``replica_id`` or ``wrong_stream`` otherwise."""
+        raw_id = fields.get(F_REPLICA_ID)
+        try:
+            rid = raw_id.decode() if isinstance(raw_id, bytes) else None
+        except UnicodeDecodeError:
+            rid = None
+        if not rid:
+            self.reject(replica_of(fields), "replica_id" if raw_id is not None else "fields",
+                        f"entry {entry_id!r} of {stream}: replica_id {raw_id!r:.80}")
+            return
+        if stream_of(rid) != stream:
+            self.reject(rid, "wrong_stream", f"entry {entry_id!r} is in {stream}, not {stream_of(rid)}")
+            return
+        try:
+            epoch, seq = int(fields[F_EPOCH]), int(fields[F_SEQ])
+            data = fields[F_BATCH]
+            if not (0 <= epoch < 2**64 and 0 <= seq < 2**64):
+                raise ValueError("epoch / seq out of range")
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            self.reject(rid, "fields", f"entry {entry_id!r}: {type(e).__name__} {e}")
+            return
+        self.entry(rid, epoch, seq, data, history=history)
+
     def entry(self, rid: str, epoch: int, seq: int, data: bytes, *, history: bool) -> None:
         """One stream entry of ``rid``; ``history``: read by a bootstrap from before it started
         (what the snapshot loaded already covers is not counted as stale)."""
@@ -137,14 +209,27 @@ class IndexFeed:
             if not history:
                 self.stale_batches += 1
             return
+        if len(data) > MAX_BATCH_BYTES:
+            self.lost(rid, epoch, seq, "too_large", f"seq {seq}: {len(data)} bytes > {MAX_BATCH_BYTES}")
+            return
         try:
             batch = parse_message(Batch, data)
         except EventDecodeError as e:
-            log.warning("kv consumer: %s seq %d: undecodable batch (%s)", rid, seq, e)
-            self.bad_entries += 1
-            self._act(rid, stream.lost(epoch, seq))
+            self.lost(rid, epoch, seq, "undecodable", f"seq {seq}: {e}")
+            return
+        problem = batch_problem(batch, self._block_size)
+        if problem is not None:
+            self.lost(rid, epoch, seq, problem[0], f"seq {seq}: {problem[1]}")
             return
         self._act(rid, stream.offer(epoch, seq, batch))
+
+    def lost(self, rid: str, epoch: int, seq: int, reason: str, detail: str) -> None:
+        """Reject entry ``seq`` of ``rid`` (see :meth:`reject`) and take it as lost: a followed
+        replica's stream then waits for a snapshot past it."""
+        self.reject(rid, reason, detail)
+        rep = self._replicas.get(rid)
+        if rep is not None and not rep.stream.is_stale(epoch, seq):
+            self._act(rid, rep.stream.lost(epoch, seq))
 
     def _act(self, rid: str, decision: Decision[Batch]) -> None:
         if decision.new_epoch:
@@ -162,6 +247,7 @@ class IndexFeed:
         """Apply one decoded batch to the index."""
         index = self.index
         blocks = 0
+        unknown: list[str] = []
         # One index call per event with its whole hash list: the per-hash loop lives in the index.
         with self.index_lock:
             for ev in batch.events:
@@ -171,19 +257,28 @@ class IndexFeed:
                     if (medium := s.medium or GPU) in MEDIA:
                         index.add(rid, s.block_hashes, medium)
                         blocks += len(s.block_hashes)
+                    else:
+                        unknown.append(medium)
                 elif which == "block_removed":
                     r = ev.block_removed
                     if (medium := r.medium or GPU) in MEDIA:
                         index.remove(rid, r.block_hashes, medium)
                         blocks += len(r.block_hashes)
+                    else:
+                        unknown.append(medium)
                 elif which == "all_blocks_cleared":
                     medium = ev.all_blocks_cleared.medium or None
                     if medium is None or medium in MEDIA:
                         index.clear_replica(rid, medium)
+                    else:
+                        unknown.append(medium)
+        for medium in unknown:
+            self.reject(rid, "medium", f"an event of the unknown medium {medium[:64]!r} skipped")
         self.events_applied += len(batch.events)
         self.blocks_applied += blocks
         self.batches_applied += 1
-        self.stream_lag_seconds = max(0.0, time.time() - batch.ts)
+        if math.isfinite(batch.ts):  # a hostile ts (NaN, inf) leaves the gauge as it was
+            self.stream_lag_seconds = max(0.0, time.time() - batch.ts)
 
     # -- heartbeats and snapshots ------------------------------------------------------------------------
     def bootstrap(self, info: ReplicaInfo, snap: CacheSnapshot | None) -> None:
@@ -276,4 +371,4 @@ class IndexFeed:
         return True
 
 
-__all__ = ["REQUEST_EVERY_S", "SNAPSHOT_POLL_S", "IndexFeed"]
+__all__ = ["REJECT_REASONS", "REQUEST_EVERY_S", "SNAPSHOT_POLL_S", "IndexFeed", "replica_of"]

@@ -13,12 +13,12 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
+from kvroute.redis_connect import RedisAuth, connect
 from kvroute.redis_layout import RedisLayout
 
 log = logging.getLogger(__name__)
@@ -115,12 +115,9 @@ class RedisLoadSync:
 
     def __init__(
         self, redis_url: str, layout: RedisLayout, router_id: str, tracker: LoadTracker,
-        interval: float = 0.2, ttl: float = 3.0,
-        redis_options: Mapping[str, Any] | None = None,
+        interval: float = 0.2, ttl: float = 3.0, auth: RedisAuth | None = None,
     ):
-        self._redis = redis.Redis.from_url(
-            redis_url, **(redis_options or {}), socket_timeout=2, socket_connect_timeout=1
-        )
+        self._redis = connect(redis_url, auth, socket_timeout=2, socket_connect_timeout=1)
         self.layout = layout
         self.router_id = router_id
         self.tracker = tracker

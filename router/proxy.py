@@ -119,6 +119,7 @@ class Proxy:
         max_retries: other replicas tried when one fails with UNAVAILABLE before the first token.
         metrics: where to record (None: nothing is recorded).
         tracer: makes the spans (None: no spans, but the caller's trace context still goes upstream).
+        channels: the channels to the replicas (default: plaintext ones).
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class Proxy:
         max_retries: int = 2,
         metrics: RouterMetrics | None = None,
         tracer: Any = None,
+        channels: ReplicaChannels | None = None,
     ):
         self.router = router
         self.tokenizer = tokenizer
@@ -137,7 +139,7 @@ class Proxy:
         self.max_retries = max_retries
         self.metrics = metrics
         self.tracer = tracer
-        self.channels = ReplicaChannels()
+        self.channels = channels if channels is not None else ReplicaChannels()
         self.limits = ModelLimits(tokenizer.vocab_size, tokenizer.max_model_len)
         self._tasks: set[asyncio.Task] = set()  # GetModelInfo calls that feed ``limits``
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S

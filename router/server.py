@@ -32,11 +32,14 @@ from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
-from kvroute.redis_auth import redis_auth
+from kvroute.redis_connect import RedisAuth, redact
 from kvroute.redis_layout import RedisLayout
+from kvroute.settings import secret_from
 from kvroute.telemetry import Telemetry
+from kvroute.tls import bind, channel_credentials, server_credentials
 from kvroute.v1 import generation_pb2, router_pb2
 from router import index as index_module
+from router.channels import ReplicaChannels
 from router.consumer import EventConsumer
 from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
@@ -137,8 +140,8 @@ class RouterServer:
         self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_folder, resolve_model_dir(s.model, s.model_cache_dir))
         hasher = BlockHasher(s.hash_algorithm, s.hash_seed, s.block_size)
         layout = RedisLayout(s.namespace, s.event_shards)
+        redis_auth = RedisAuth.from_settings(s)
         index_lock = threading.Lock()
-        redis_options = redis_auth(s.redis_password, s.redis_ca_file)
         self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
         self.discovery = make_discovery(s, self.registry)
@@ -146,20 +149,23 @@ class RouterServer:
         self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
-            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
-            redis_options=redis_options,
+            heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock, auth=redis_auth,
         )
 
+        server_tls = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+        replica_tls = channel_credentials(s.replica_tls_ca_file, s.replica_tls_cert_file, s.replica_tls_key_file,
+                                          prefix="replica_tls_")
+        admin_token = secret_from(s, "admin_token")
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server = server
-        self.port = server.add_insecure_port(f"{s.host}:{s.port}")
+        self.port = bind(server, f"{s.host}:{s.port}", server_tls)
         if not self.port:
             raise RuntimeError(f"port: cannot bind {s.host}:{s.port}")
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
         self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
-                                       redis_options=redis_options)
+                                       auth=redis_auth)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(
@@ -171,13 +177,14 @@ class RouterServer:
         self.proxy = Proxy(
             self.router, self.tokenizer, policy_factory=self.policy,
             max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
+            channels=ReplicaChannels(credentials=replica_tls),
         )
         if s.http_port >= 0:  # bound now: a taken port fails before anything starts
             app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
-        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy))
+        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy, admin_token))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)
@@ -191,10 +198,12 @@ class RouterServer:
         self._ready_task = asyncio.create_task(self._become_ready())
         log.info(
             "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s,"
-            " hashing %s [%s], index loops %s",
-            self.router_id, s.host, self.port, s.policy, s.discovery, s.redis_url, s.namespace,
+            " hashing %s [%s], index loops %s, %s, SetPolicy %s",
+            self.router_id, s.host, self.port, s.policy, s.discovery, redact(s.redis_url), s.namespace,
             self.tokenizer.model_name, s.hash_algorithm, self.router.hasher.implementation,
             "compiled" if index_module._index is not None else "Python (router._index not built)",
+            ("mTLS" if s.tls_client_ca_file else "TLS") if server_tls else "plaintext",
+            "with the admin token" if admin_token else "off",
         )
 
     async def _become_ready(self) -> None:
@@ -258,14 +267,20 @@ class BackgroundRouter(BackgroundServer):
         def start(server: RouterServer) -> None:
             self.run(server.start(), 60.0)
             if ready_timeout is not None and not self.run(server.wait_ready(ready_timeout), ready_timeout + 5):
-                raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {settings.redis_url} up?)")
+                raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {redact(settings.redis_url)} up?)")
 
         self._start(lambda: RouterServer(settings, telemetry=telemetry), "router-server", start)
 
 
 def _check_settings(settings: RouterSettings) -> None:
-    """What the settings' parts check themselves, before anything starts. Raises ValueError."""
-    settings.weights()
+    """What the settings' parts check themselves, before anything starts (TLS and secret files
+    read once here, so a half-set pair or a missing file is exit 2 naming it). Raises ValueError."""
+    s = settings
+    s.weights()
+    server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+    channel_credentials(s.replica_tls_ca_file, s.replica_tls_cert_file, s.replica_tls_key_file, prefix="replica_tls_")
+    secret_from(s, "admin_token")
+    RedisAuth.from_settings(s)
 
 
 _MAIN = ServerMain(

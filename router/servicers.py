@@ -4,9 +4,12 @@ behind ``error_boundary``."""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Sequence
 
-from kvroute.grpc_errors import error_boundary
+import grpc
+
+from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
@@ -35,17 +38,33 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
 
 
 class RouterServicer(router_grpc.RouterServiceServicer):
-    """``kvroute.v1.RouterService``: ``Score`` (the decision as data) and ``SetPolicy``."""
+    """``kvroute.v1.RouterService``: ``Score`` (the decision as data) and ``SetPolicy``.
 
-    def __init__(self, proxy: Proxy) -> None:
+    ``SetPolicy`` changes routing for every client: PERMISSION_DENIED unless ``admin_token`` is set
+    (settings ``admin_token`` / ``admin_token_file``), then UNAUTHENTICATED unless the call carries
+    the metadata ``authorization: Bearer <admin_token>``.
+    """
+
+    def __init__(self, proxy: Proxy, admin_token: str | None = None) -> None:
         self._proxy = proxy
+        self._expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     @_boundary
     async def Score(self, request, context):
         return self._proxy.score(request)
 
+    def _check_admin(self, context) -> None:
+        if self._expected is None:
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           "SetPolicy is off on this router: start it with admin_token_file (or KVROUTE_ADMIN_TOKEN)")
+        given = next((v for k, v in context.invocation_metadata() if k == "authorization"), "")
+        if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED,
+                           "SetPolicy: metadata 'authorization: Bearer <admin token>' missing or wrong")
+
     @_boundary
     async def SetPolicy(self, request, context):
+        self._check_admin(context)
         return router_pb.SetPolicyResponse(policy=self._proxy.set_policy(request.policy))
 
 

@@ -25,6 +25,7 @@ class RouterSettings:
     redis_password: str = setting(
         "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
     )
+    redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
     redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
@@ -55,6 +56,14 @@ class RouterSettings:
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
     load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
     max_retries: int = setting(2, "other replicas tried when one fails before the first token")
+    tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
+    tls_key_file: str = setting("", "gRPC server private key (PEM)")
+    tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
+    replica_tls_ca_file: str = setting("", "CA bundle (PEM) that verifies the replicas: set = TLS to replicas")
+    replica_tls_cert_file: str = setting("", "client certificate chain (PEM) shown to replicas that require mTLS")
+    replica_tls_key_file: str = setting("", "client private key (PEM) for replica_tls_cert_file")
+    admin_token: str = setting("", "bearer token RouterService.SetPolicy requires (empty = SetPolicy off)", secret=True)
+    admin_token_file: str = setting("", "file whose first line is the admin token")
 
     @property
     def resolved_router_id(self) -> str:

@@ -21,6 +21,8 @@ OpenTelemetry name -> Prometheus name (as the Prometheus exporter writes them) -
 ``kvroute.router.events.resyncs``              ``kvroute_router_events_resyncs_total``                   (none)
 ``kvroute.router.events.snapshot_requests``    ``kvroute_router_events_snapshot_requests_total``         (none)
 ``kvroute.router.events.epoch_changes``        ``kvroute_router_events_epoch_changes_total``             (none)
+``kvroute.router.events.rejected``             ``kvroute_router_events_rejected_total`` {``kvroute.reason``}  (none)
+                                               (router.consumer_feed.REJECT_REASONS: hostile input)
 ``kvroute.router.replicas`` {``kvroute.state``}  ``kvroute_router_replicas``                             (none)
 ``kvroute.router.replicas.address_changes``    ``kvroute_router_replicas_address_changes_total``         (none)
 ``kvroute.router.prediction.ratio``            ``kvroute_router_prediction_ratio`` (actual/predicted)    (none)
@@ -86,6 +88,7 @@ RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0, 4.0)
 ATTR_POLICY = "kvroute.policy"
 ATTR_OUTCOME = "kvroute.outcome"
 ATTR_STAGE = "kvroute.stage"
+ATTR_REASON = "kvroute.reason"
 ATTR_PREDICTED = "kvroute.predicted_cached_tokens"
 ATTR_ATTEMPTS = "kvroute.attempts"
 STAGES = ("hash", "lookup", "score", "total")
@@ -168,6 +171,17 @@ class RouterMetrics:
         ):
             create = meter.create_observable_counter if kind == "counter" else meter.create_observable_gauge
             create(f"kvroute.router.{name}", [consumer_value(key)], unit=unit, description=desc)
+
+        def rejected(_options: CallbackOptions) -> Iterable[Observation]:
+            c = self._consumer
+            if c is None:
+                return []
+            return [Observation(n, {ATTR_REASON: reason}) for reason, n in dict(c.rejected).items()]
+
+        meter.create_observable_counter(
+            "kvroute.router.events.rejected", [rejected], unit="{input}",
+            description="Stream entries, events, snapshots and heartbeats the consumer rejected, by reason",
+        )
 
         def index_entries(_options: CallbackOptions) -> Iterable[Observation]:
             c = self._consumer

@@ -4,7 +4,7 @@ the requests (``mode``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvroute_tools.trace import BUNDLED_TRACE
 
@@ -28,6 +28,7 @@ class BenchConfig:
     progress: bool = True
     api: str = "grpc"  # "openai": the requests go through http_url's OpenAI-compatible API
     http_url: str = ""  # with api="openai": http://host:port/v1 (the router's HTTP API)
+    admin_token: str = field(default="", repr=False)  # the router's admin token (SetPolicy); from --admin-token-file
 
     def __post_init__(self) -> None:
         if self.requests is not None and self.requests < 1:

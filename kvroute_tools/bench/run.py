@@ -65,8 +65,9 @@ class BenchError(Exception):
 class _Cluster:
     """The router's stubs and the replicas' (addresses from ``Score``)."""
 
-    def __init__(self, target: str, openai: OpenAISender | None = None):
+    def __init__(self, target: str, openai: OpenAISender | None = None, admin_token: str = ""):
         self.target = target
+        self._admin = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self.channel = grpc.aio.insecure_channel(target)
         self.gen = gen_grpc.GenerationServiceStub(self.channel)
         self.router = router_grpc.RouterServiceStub(self.channel)
@@ -91,7 +92,8 @@ class _Cluster:
         return dict(sorted(routable.items())), lines, resp.policy
 
     async def set_policy(self, name: str) -> str:
-        resp = await self.router.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S)
+        resp = await self.router.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S,
+                                           metadata=self._admin)
         return resp.policy
 
     async def counters(self, replicas: dict[str, str]) -> dict[str, rep_pb.Load | None]:
@@ -259,7 +261,7 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
         raise BenchError(f"--trace: {e}") from e
     if not trace:
         raise BenchError(f"--trace: {cfg.trace} holds no request")
-    cluster = _Cluster(cfg.target, OpenAISender(cfg.http_url) if cfg.api == "openai" else None)
+    cluster = _Cluster(cfg.target, OpenAISender(cfg.http_url) if cfg.api == "openai" else None, cfg.admin_token)
     try:
         try:
             info = await cluster.gen.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_RPC_TIMEOUT_S)
@@ -274,7 +276,9 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
             try:
                 await cluster.set_policy(policy)
             except grpc.aio.AioRpcError as e:
-                raise BenchError(f"--policies: {describe_rpc_error(e, cfg.target)}") from e
+                hint = ("; pass --admin-token-file (kvroute up: {admin_token_file})"
+                        if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) else "")
+                raise BenchError(f"--policies: {describe_rpc_error(e, cfg.target)}{hint}") from e
 
         tok = TraceTokenizer(cfg.tokens_per_block, vocab_size=info.vocab_size)
         planned, truncated = plan_requests(

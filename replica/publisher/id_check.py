@@ -19,6 +19,7 @@ import time
 import redis
 
 from kvroute.heartbeat import Heartbeat
+from kvroute.redis_connect import RedisAuth, connect, describe_error
 from kvroute.redis_layout import RedisLayout
 from replica.publisher.base import ReplicaIdInUseError
 
@@ -66,18 +67,21 @@ def check_replica_id_free(client: redis.Redis, layout: RedisLayout, replica_id: 
              replica_id, other)
 
 
-def claim_replica_id(redis_url: str, layout: RedisLayout, replica_id: str, address: str) -> None:
+def claim_replica_id(
+    redis_url: str, layout: RedisLayout, replica_id: str, address: str, auth: RedisAuth | None = None,
+) -> None:
     """:func:`check_replica_id_free` on a connection of its own. Redis down is not an error here
     (the publisher waits for Redis anyway): logged, and the replica starts.
 
     Raises:
         ReplicaIdInUseError: as :func:`check_replica_id_free`.
     """
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    client = connect(redis_url, auth, socket_connect_timeout=2.0, socket_timeout=5.0)
     try:
         check_replica_id_free(client, layout, replica_id, address)
     except (redis.RedisError, OSError) as e:
-        log.warning("replica %s: cannot check Redis for another replica with this id (%s)", replica_id, e)
+        log.warning("replica %s: cannot check Redis for another replica with this id (%s)", replica_id,
+                    describe_error(redis_url, e))
     finally:
         client.close()
 

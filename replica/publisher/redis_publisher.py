@@ -30,8 +30,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -40,6 +39,7 @@ from redis.retry import Retry
 from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
 from kvroute.heartbeat import EngineLoad, Heartbeat
+from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.snapshot import CacheSnapshot, encode_snapshot
 from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
@@ -78,6 +78,7 @@ class RedisEventPublisher(EventPublisher):
         snapshot_interval: seconds between periodic snapshots.
         buffer_size: event batches held while Redis is slow or down; more are dropped.
         stream_maxlen: approximate MAXLEN of the event stream.
+        auth: the Redis credentials (kvroute.redis_connect; default none).
 
     Raises:
         ValueError: a non-positive interval / size.
@@ -98,14 +99,14 @@ class RedisEventPublisher(EventPublisher):
         snapshot_interval: float = 30.0,
         buffer_size: int = 10000,
         stream_maxlen: int = 100000,
-        redis_options: Mapping[str, Any] | None = None,
+        auth: RedisAuth | None = None,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
         if buffer_size < 1 or stream_maxlen < 1:
             raise ValueError("buffer_size, stream_maxlen: must be >= 1")
         self.redis_url = redis_url
-        self._redis_options = dict(redis_options or {})  # AUTH / TLS (kvroute.redis_auth); never logged
+        self.auth = auth
         self.layout = layout
         self.replica_id = replica_id
         self.epoch = time.time_ns() if epoch is None else int(epoch)
@@ -253,7 +254,7 @@ class RedisEventPublisher(EventPublisher):
                 self._serve()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning(
-                    "kv publisher: lost Redis at %s (%s); buffering, will reconnect", self.redis_url, e
+                    "kv publisher: lost Redis (%s); buffering, will reconnect", describe_error(self.redis_url, e)
                 )
                 self._logged_down = True
                 self._disconnect()
@@ -271,8 +272,8 @@ class RedisEventPublisher(EventPublisher):
 
     def _connect(self) -> bool:
         try:
-            client = redis.Redis.from_url(
-                self.redis_url, **self._redis_options, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
+            client = connect(
+                self.redis_url, self.auth, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
             )
             client.ping()
             pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -280,7 +281,7 @@ class RedisEventPublisher(EventPublisher):
         except (redis.RedisError, OSError) as e:
             if not self._logged_down:  # once per outage, not once per retry
                 log.warning(
-                    "kv publisher: Redis at %s unreachable (%s); buffering, retrying", self.redis_url, e
+                    "kv publisher: Redis unreachable (%s); buffering, retrying", describe_error(self.redis_url, e)
                 )
                 self._logged_down = True
             return False
@@ -288,7 +289,7 @@ class RedisEventPublisher(EventPublisher):
         self._client, self._pubsub = client, pubsub
         if self._ever_connected:
             self.reconnects += 1
-            log.info("kv publisher: reconnected to Redis at %s", self.redis_url)
+            log.info("kv publisher: reconnected to Redis at %s", redact(self.redis_url))
         self._ever_connected = True
         self.connected = True
         # Readers may have missed anything while we were away: a fresh snapshot lets them resync.

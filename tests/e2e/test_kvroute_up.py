@@ -122,6 +122,9 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
         pids = [int(p) for p in re.findall(r"\bpid (\d+)", banner)]
         assert len(pids) == 4, banner  # router, 2 replicas, redis
         assert f"kvroute generate --target {target}" in banner and "grpcurl -plaintext" in banner
+        token_file = re.search(r"^  admin token (\S+) ", banner, re.M).group(1)
+        assert token_file == str(tmp_path / "logs" / "admin-token")
+        assert os.stat(token_file).st_mode & 0o777 == 0o600
 
         gen = subprocess.run([*KVROUTE, "generate", "--target", target, "--max-tokens", "8", "--temperature", "0",
                               "The harbour town"], capture_output=True, text=True, timeout=60)
@@ -134,7 +137,7 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
 
         bench = subprocess.run(
             [*KVROUTE, "bench", "--target", target, "--requests", "30", "--concurrency", "4", "--out",
-             str(tmp_path / "bench")],
+             str(tmp_path / "bench"), "--admin-token-file", token_file],
             capture_output=True, text=True, timeout=120,
         )
         assert bench.returncode == 0, bench.stdout + bench.stderr

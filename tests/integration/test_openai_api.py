@@ -43,6 +43,7 @@ from tests.support import replica_idle, wait_for
 
 B = 16
 T = 30.0
+ADMIN_TOKEN = "test-admin-token"  # the router's, for kvroute bench's SetPolicy
 MODEL = "kvroute-tiny-llama"
 SIDES = ("replica", "router")
 
@@ -69,7 +70,8 @@ def router_settings(redis_server, model_dir, **kw) -> RouterSettings:
 @pytest.fixture(scope="module")
 def router(redis_server, default_model_dir, replica):
     telemetry = setup_telemetry("kvroute-router-openai-test", 0, otlp=False)  # a Prometheus registry
-    with BackgroundRouter(router_settings(redis_server, default_model_dir), telemetry=telemetry) as r:
+    settings = router_settings(redis_server, default_model_dir, admin_token=ADMIN_TOKEN)  # kvroute bench
+    with BackgroundRouter(settings, telemetry=telemetry) as r:
         wait_for(lambda: [i.replica_id for i in r.server.registry.routable()] == ["rep-http"], what="replica routable")
         yield r
     telemetry.shutdown()
@@ -431,6 +433,7 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
     import subprocess
 
     from kvroute_tools.cluster import ClusterConfig, LocalCluster
+    from kvroute_tools.up import banner as up_banner
     from kvroute_tools.up import substitute
 
     router = servers["router"]
@@ -439,7 +442,7 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
         cluster.router = type("Router", (), {"target": router.target, "pid": 1})()  # type: ignore[assignment]
         cluster.replicas, cluster.model_dir = [], str(default_model_dir)
         cluster.router_http_url = http_base(router)
-        banner = cluster.banner()
+        banner = up_banner(cluster)
         assert f"  openai      {http_base(router)} " in banner
         (curl,) = [line.strip() for line in banner.splitlines() if line.strip().startswith("curl ")]
         done = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=T, check=True)
@@ -459,7 +462,7 @@ def test_bench_over_the_openai_api_matches_the_grpc_replay(servers):
     runs = {}
     for api in ("grpc", "openai"):  # one after the other, each with its own cache salt
         cfg = BenchConfig(target=router.target, requests=40, max_output_tokens=4, concurrency=1,
-                          policies=("kvroute",), progress=False, api=api,
+                          policies=("kvroute",), progress=False, api=api, admin_token=ADMIN_TOKEN,
                           http_url=http_base(router) if api == "openai" else "")
         runs[api] = asyncio.run(run_bench(cfg, log=lambda s: None)).policies[0]
     grpc_run, http_run = runs["grpc"], runs["openai"]

@@ -42,12 +42,15 @@ from kvroute_tools.redis_server import free_port
 from replica.publisher import RedisEventPublisher
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
+from router.consumer_feed import REJECT_REASONS
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import deltas_before_deadline, started_stream, wait_for
 
 B = 16
 T = 30.0  # deadline of every call
+ADMIN_TOKEN = "test-admin-token"
+ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)  # SetPolicy's credentials on the module's router
 GREEDY = gen_pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
 
@@ -97,7 +100,8 @@ def metric_reader():
 def router(redis_server, default_model_dir, replicas, spans, metric_reader):
     telemetry = setup_telemetry("kvroute-router-test", otlp=False, span_exporters=[spans],
                                 metric_readers=[metric_reader])
-    with BackgroundRouter(router_settings(redis_server, default_model_dir), telemetry=telemetry) as r:
+    settings = router_settings(redis_server, default_model_dir, admin_token=ADMIN_TOKEN)
+    with BackgroundRouter(settings, telemetry=telemetry) as r:
         wait_for(lambda: {i.replica_id for i in r.server.registry.routable()} == set(replicas),
                  what="both replicas routable")
         yield r
@@ -228,7 +232,8 @@ def test_score_returns_per_replica_data_and_the_pick_the_proxy_makes(gen, rs, re
 
 
 def test_set_policy_switches_to_round_robin_and_back(gen, rs):
-    assert rs.SetPolicy(router_pb.SetPolicyRequest(policy="round_robin"), timeout=T).policy == "round_robin"
+    assert rs.SetPolicy(router_pb.SetPolicyRequest(policy="round_robin"), timeout=T,
+                        metadata=ADMIN).policy == "round_robin"
     try:
         ids = prompt(5, 4 * B)
         picks = [gen.Generate(ids_request(ids), timeout=T).routing for _ in range(4)]
@@ -236,12 +241,22 @@ def test_set_policy_switches_to_round_robin_and_back(gen, rs):
         order = [p.replica_id for p in picks]
         assert order[0] != order[1] and order[0::2] == [order[0]] * 2 and order[1::2] == [order[1]] * 2, order
     finally:
-        assert rs.SetPolicy(router_pb.SetPolicyRequest(policy="kvroute"), timeout=T).policy == "kvroute"
+        assert rs.SetPolicy(router_pb.SetPolicyRequest(policy="kvroute"), timeout=T, metadata=ADMIN).policy == "kvroute"
     assert score(rs, prompt(6, B)).policy == "kvroute"
     with pytest.raises(grpc.RpcError) as err:
-        rs.SetPolicy(router_pb.SetPolicyRequest(policy="fastest"), timeout=T)
+        rs.SetPolicy(router_pb.SetPolicyRequest(policy="fastest"), timeout=T, metadata=ADMIN)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("policy: unknown 'fastest'")
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),),
+                                      (("authorization", ADMIN_TOKEN),)], ids=["none", "wrong", "no-bearer"])
+def test_set_policy_without_the_admin_token_is_unauthenticated(rs, metadata):
+    with pytest.raises(grpc.RpcError) as err:
+        rs.SetPolicy(router_pb.SetPolicyRequest(policy="round_robin"), timeout=T, metadata=metadata)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: Bearer <admin token>" in err.value.details()
+    assert score(rs, prompt(6, B)).policy == "kvroute"
 
 
 # -- failures ---------------------------------------------------------------------------------------------
@@ -288,6 +303,11 @@ def test_no_routable_replica_is_unavailable_with_the_reason(redis_server, defaul
                 router_pb.ScoreRequest(token_ids=gen_pb.TokenIds(ids=prompt(8, 64))), timeout=T)
             assert scores.picked_replica_id == ""
             assert all(not s.routable and "block_size 16 != router's 32" in s.reason for s in scores.replicas)
+            with pytest.raises(grpc.RpcError) as denied:  # no admin token on this router: SetPolicy is off
+                router_grpc.RouterServiceStub(ch).SetPolicy(router_pb.SetPolicyRequest(policy="round_robin"),
+                                                            timeout=T, metadata=ADMIN)
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "SetPolicy is off on this router" in denied.value.details()
             with pytest.raises(grpc.RpcError) as err:
                 list(gen_grpc.GenerationServiceStub(ch).GenerateStream(ids_request(prompt(8, 64)), timeout=T))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -418,6 +438,9 @@ def test_metrics_cover_decisions_overhead_index_events_prediction_and_genai(gen,
                for p in metric_points(metric_reader, "kvroute.router.index.entries")}
     assert set(entries) >= {"rep-a", "rep-b"} and sum(entries.values()) > 0
     assert metric_points(metric_reader, "kvroute.router.events.applied")[0].value > 0
+    # every reason is reported, and real replicas send no input the consumer rejects
+    rejected = {p.attributes["kvroute.reason"]: p.value for p in metric_points(metric_reader, "kvroute.router.events.rejected")}
+    assert rejected == dict.fromkeys(REJECT_REASONS, 0)
     for name in ("kvroute.router.prediction.ratio", "kvroute.router.prediction.predicted_tokens",
                  "gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token",
                  "gen_ai.server.request.duration", "kvroute.router.events.seq_gaps", "kvroute.router.events.resyncs", "kvroute.router.events.lag"):

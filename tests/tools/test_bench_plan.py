@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 
 from kvroute_tools.bench.config import BenchConfig
@@ -114,8 +116,9 @@ def test_up_fills_in_the_router_target_in_the_command():
             target = "127.0.0.1:5"
 
         cluster.router = _Router()  # type: ignore[assignment]
-        assert substitute(["bench", "--target", "{target}", "--x={redis_url}"], cluster) == [
-            "bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0"]
+        cluster.admin_token_file = Path("/run/token")
+        assert substitute(["bench", "--target", "{target}", "--x={redis_url}", "--t", "{admin_token_file}"],
+                          cluster) == ["bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0", "--t", "/run/token"]
     finally:
         cluster.router = None
         cluster.stop()

@@ -42,6 +42,8 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["generate", "--max-tokens", "4294967296", "hi"], "--max-tokens: must be in 1..4294967295"),
         (["generate", "--seed", "x", "hi"], "--seed: invalid int value: 'x'"),
         (["generate"], "the following arguments are required: text"),
+        (["generate", "--tls-cert-file", "c.pem", "hi"], "--tls-cert-file, --tls-key-file: need --tls-ca-file"),
+        (["generate", "--tls-ca-file", "/nonexistent/ca.pem", "hi"], "--tls-ca-file: cannot read /nonexistent/ca.pem"),
         (["bench", "--requests", "0"], "--requests: must be >= 1"),
         (["bench", "--tokens-per-block", "0"], "--tokens-per-block: must be >= 1"),
         (["bench", "--output-scale", "0"], "--output-scale: must be > 0"),
@@ -52,6 +54,7 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["bench", "--policies", "kvroute,"], "--policies: expected comma-separated policy names"),
         (["bench", "--target", "host-without-port"], "--target: expected HOST:PORT"),
         (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+        (["bench", "--admin-token-file", "/nonexistent/token"], "--admin-token-file: cannot read /nonexistent/token"),
     ],
 )
 def test_argument_errors_exit_2_naming_the_flag(capsys, argv, message):
