@@ -1,4 +1,5 @@
-"""The router process: consumer + index + registry + discovery + load sync + gRPC proxy, health,
+"""The router process: consumer + index + registry + discovery + load sync + gRPC proxy, the
+Gateway API Inference Extension endpoint picker (Envoy ext_proc, router.picker; same port), health,
 reflection and telemetry (DESIGN.md §5, §6), and the OpenAI-compatible HTTP API (``http_port``;
 router.http_api).
 
@@ -26,6 +27,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
@@ -41,6 +44,7 @@ from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, Sta
 from router.http_api import router_http_app
 from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
+from router.picker.servicer import EndpointPicker
 from router.proxy import Proxy
 from router.registry import ReplicaRegistry
 from router.scoring import Policy, make_policy
@@ -173,6 +177,11 @@ class RouterServer:
             self.http_port = self._http.port
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
+        # The endpoint picker on the same port: an InferencePool's endpointPickerRef (or Envoy's
+        # ext_proc cluster) names the router's gRPC Service port.
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(
+            EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)

@@ -50,6 +50,9 @@ class RouterSettings:
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
     load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
     max_retries: int = setting(2, "other replicas tried when one fails before the first token")
+    picker_fallbacks: int = setting(
+        0, "endpoint picker: next-best endpoints listed after the pick (0 for Envoy's ORIGINAL_DST, which takes one)"
+    )
 
     @property
     def resolved_router_id(self) -> str:
