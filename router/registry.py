@@ -53,6 +53,7 @@ class ReplicaInfo:
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
+    max_waiting: int = 0  # the replica's waiting-queue bound (0: not said)
     usage: float = 0.0
     queued_prefill_tokens: int = 0
     heartbeat_at: float = 0.0
@@ -128,8 +129,8 @@ class ReplicaRegistry:
             model=heartbeat.model, hash_algorithm=heartbeat.hash_algorithm,
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
             num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
-            waiting=load.waiting, usage=load.usage, queued_prefill_tokens=load.queued_prefill_tokens,
-            heartbeat_at=now,
+            waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
+            queued_prefill_tokens=load.queued_prefill_tokens, heartbeat_at=now,
         )
         with self._lock:
             old = self._replicas.get(replica_id)

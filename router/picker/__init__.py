@@ -1,6 +1,6 @@
 """The router as a Gateway API Inference Extension endpoint picker (EPP): Envoy's External
 Processing service (``envoy.service.ext_proc.v3.ExternalProcessor/Process``) answered with the
-same ``Router`` core as the proxy (DESIGN.md §5.4).
+same ``Router`` core as the proxy (DESIGN.md §5).
 
     gateway (Envoy) ──ProcessingRequest──▶ EndpointPicker.Process (one ext_proc stream per HTTP call)
       request headers    :path, content-type, grpc-timeout          ──▶ CONTINUE
@@ -8,7 +8,8 @@ same ``Router`` core as the proxy (DESIGN.md §5.4).
                          (router.picker.requests) ──▶ token ids ──▶ Router.decide / commit
                          ──▶ x-gateway-destination-endpoint header + envoy.lb dynamic metadata
                              (picked first, then the fallbacks), or an ImmediateResponse
-                             (400 bad prompt, 503 nothing routable / empty subset, 429 every queue full)
+                             (400 bad prompt, 503 nothing routable / empty subset, 429 every
+                             candidate's heartbeat shows its waiting queue at its max_waiting)
       response headers   the replica's first bytes: the prompt is prefilled (LoadTracker.prefill_done)
       response trailers  grpc-status and the replica's x-kvroute-cached-tokens: the prediction-accuracy
                          metric; x-kvroute-replica / -predicted-cached-tokens added for the client

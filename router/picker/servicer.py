@@ -31,12 +31,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError
-from kvroute.responses import MD_CACHED_TOKENS
+from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
 from router.core import Decision
 from router.load import Ticket
+from router.registry import ReplicaInfo
 from router.picker import protocol
 from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
-from router.proxy import MD_PREDICTED, MD_REPLICA, Proxy
+from router.proxy import Proxy
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         exclude = [r.replica_id for r in registry.all() if not r.address or (subset is not None and r.address not in subset)]
         if subset is not None and not subset:
             return self._refuse(call, grpc.StatusCode.UNAVAILABLE, "the endpoint subset is empty")
-        decision = self._proxy.decide(ids, salt, exclude)
+        full = self._full_queues(exclude)
+        if full and len(full) == sum(1 for r in registry.routable() if r.replica_id not in exclude):
+            queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)
+            return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"every replica's waiting queue is full ({queues}); retry later")
+        decision = self._proxy.decide(ids, salt, [*exclude, *(r.replica_id for r in full)])
         call.decision = decision
         if decision.picked is None:
             why = decision.reason if subset is None else f"no replica of the subset {','.join(subset)} is routable"
@@ -133,6 +139,14 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         call.ticket = self._proxy.commit(decision)
         endpoints = [decision.picked.address, *self._next_best(decision)]
         return protocol.destination(endpoints, on_headers=body is None)
+
+    def _full_queues(self, exclude: Sequence[str]) -> list[ReplicaInfo]:
+        """The candidates whose heartbeat shows their waiting queue at the bound they advertise
+        (``max_waiting``; replicas that advertise none are never full). They would refuse the call
+        with RESOURCE_EXHAUSTED: the picker leaves them out, and sheds the request (429) when that
+        leaves nobody. The replica still enforces its bound itself (heartbeats lag)."""
+        return [r for r in self._proxy.router.registry.routable()
+                if r.replica_id not in exclude and 0 < r.max_waiting <= r.waiting]
 
     def _next_best(self, decision: Decision) -> list[str]:
         if self._fallbacks <= 0:

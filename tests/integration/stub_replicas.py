@@ -83,7 +83,7 @@ class _Server:
 class StubReplica(BackgroundServer):
     """One stub replica (module docstring) heartbeating into ``redis_url`` as ``replica_id``."""
 
-    def __init__(self, replica_id: str, redis_url: str, hasher: BlockHasher) -> None:
+    def __init__(self, replica_id: str, redis_url: str, hasher: BlockHasher, max_waiting: int = 0) -> None:
         self._start(lambda: _Server(replica_id), f"stub-{replica_id}", lambda s: self.run(s.start()))
         self.replica_id = replica_id
         self.hasher = hasher
@@ -91,7 +91,7 @@ class StubReplica(BackgroundServer):
         info = EngineInfo(model="stub", vocab_size=32000, max_model_len=4096, block_size=block_size, num_blocks=1000,
                           hash_algorithm=algorithm, hash_seed_digest=digest)
         self.publisher = RedisEventPublisher(redis_url, RedisLayout(), replica_id, info, self.target,
-                                             heartbeat_interval=0.1)
+                                             heartbeat_interval=0.1, max_waiting=max_waiting)
         self.publisher.start()
         self._held: list[int] = []
         self._lock = threading.Lock()

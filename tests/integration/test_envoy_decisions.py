@@ -43,7 +43,7 @@ def prompt(seed: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def stubs(redis_server):
     hasher = BlockHasher(block_size=B)
-    made = [StubReplica(f"R{i}", redis_server.url, hasher) for i in (1, 2, 3)]
+    made = [StubReplica(f"R{i}", redis_server.url, hasher, max_waiting=4) for i in (1, 2, 3)]
     yield {s.replica_id: s for s in made}
     for s in made:
         s.close()
@@ -226,3 +226,18 @@ def test_empty_or_ineligible_subset_is_503(subset, router):
     assert answer.immediate_response.status.code == 503
     assert answer.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
     assert not router.server.load.local()
+
+
+def test_every_waiting_queue_full_is_429_and_one_free_queue_takes_the_call(stubs, stubs_of, router):
+    for s in stubs.values():
+        set_load(router, s, waiting=4)  # each at its max_waiting (4)
+    answer = pick(router, prompt(5002, 40), None)
+    assert answer.WhichOneof("response") == "immediate_response"
+    assert answer.immediate_response.status.code == 429
+    assert "R1 4/4" in answer.immediate_response.details
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stubs_of["envoy"], prompt(5003, 40))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("every replica's waiting queue is full")
+    set_load(router, stubs["R2"], waiting=3)
+    assert generate(stubs_of["envoy"], prompt(5004, 40))[0] == "R2"
