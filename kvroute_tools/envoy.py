@@ -99,9 +99,8 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
             "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
         },
         "send_body_without_waiting_for_header_response": True,
-        # The gateway's subset hint reaches the picker; conformant gateways also report the
-        # served endpoint under envoy.lb.
-        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}},
+        # A subset hint set by an earlier filter reaches the picker.
+        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
     }
     to_replica = {
         "cluster": "kvroute_replicas",

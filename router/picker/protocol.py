@@ -6,8 +6,10 @@ ext_proc messages: what a gateway sends the picker and what the picker answers. 
     answer   header  x-gateway-destination-endpoint: "ip:port,ip:port,..."      (picked first)
              dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]: the same string
              or ImmediateResponse 503 (no ready endpoint / empty or ineligible subset), 429 (shed)
-    response metadata_context.filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]
-             (set by conformant gateways after a retry down the list; optional)
+
+The protocol's ``x-gateway-destination-endpoint-served`` (which endpoint of a list served the call,
+after retries down it) is not read: the picker lists one endpoint unless ``picker_fallbacks`` says
+otherwise, and then counts the load on the first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from google.protobuf import struct_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
@@ -54,14 +55,6 @@ def subset_hint(metadata: core_pb.Metadata) -> list[str] | None:
     else:
         items = ()
     return [e.strip() for e in items if e.strip()]
-
-
-def served_endpoint(metadata: core_pb.Metadata) -> str:
-    """The endpoint that served the call, when the gateway reports it ("" otherwise)."""
-    ns = metadata.filter_metadata.get(LB_NAMESPACE)
-    if ns is None or SERVED_KEY not in ns.fields:
-        return ""
-    return ns.fields[SERVED_KEY].string_value
 
 
 def _header(name: str, value: str) -> core_pb.HeaderValueOption:
@@ -123,7 +116,6 @@ def trailers_response(add: Mapping[str, str]) -> ext_pb.ProcessingResponse:
 __all__ = [
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
-    "SERVED_KEY",
     "SUBSET_KEY",
     "SUBSET_NAMESPACE",
     "continue_headers",
@@ -131,7 +123,6 @@ __all__ = [
     "destination",
     "header_map",
     "immediate",
-    "served_endpoint",
     "subset_hint",
     "trailers_response",
 ]

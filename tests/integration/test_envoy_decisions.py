@@ -241,3 +241,25 @@ def test_every_waiting_queue_full_is_429_and_one_free_queue_takes_the_call(stubs
     assert err.value.details().startswith("every replica's waiting queue is full")
     set_load(router, stubs["R2"], waiting=3)
     assert generate(stubs_of["envoy"], prompt(5004, 40))[0] == "R2"
+
+
+def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
+    from router.picker.servicer import EndpointPicker
+
+    tokens = prompt(5005, 6 * B + 1)
+    stubs["R2"].store(tokens, blocks=6)
+    stubs["R3"].store(tokens, blocks=3)
+    indexed(router, stubs["R2"], tokens, 6)
+    indexed(router, stubs["R3"], tokens, 3)
+    picker = EndpointPicker(router.server.proxy, fallbacks=2)
+
+    async def run():
+        async def messages():
+            for m in _pick_messages(tokens, None):
+                yield m
+        return [m async for m in picker.Process(messages(), None)]
+
+    answers = router.run(run())
+    value = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    assert value.string_value == ",".join(stubs[r].target for r in ("R2", "R3", "R1"))
+    wait_for(lambda: not router.server.load.local(), what="the pick's load released with the stream")
