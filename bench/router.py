@@ -2,7 +2,7 @@
 in one table with a verdict per goal.
 
     python bench/router.py [--decisions 2000] [--requests 300] [--skip-proxy | --proxy-only]
-                           [--bare aio,sync-st]
+                           [--bare aio,sync-st] [--no-envoy]
 
 - **decision overhead** (hash + lookup + score: ``Router.decide``) for 8k-token
   prompts over 64 replicas and 1M indexed (replica, block) entries. The index is built directly
@@ -25,6 +25,11 @@ in one table with a verdict per goal.
   handler forwarding to one client call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
   this machine. Added = p50(side) - p50(direct), for the time to the first token and for the whole
   request. Goal: <= 1 ms at p50.
+- **Envoy in front** (unless ``--no-envoy``; bench/_gateway.py), in the same turns: the time to
+  first token added by (a) Envoy alone (the client names the replica in the destination header),
+  (b) Envoy + the kvroute endpoint picker (``kvroute up --gateway envoy``'s bootstrap), (c) the
+  Python proxy; then the router process's CPU seconds per 1,000 streamed requests through (b) and
+  (c), net of its idle rate. Goals: (b) adds <= 1 ms p50; (b) costs the router >= 3x less than (c).
 
 Why the router stays on grpc.aio: every Python hop adds, per message, one more loopback write and
 the wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:

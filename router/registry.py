@@ -39,7 +39,8 @@ DISCOVERY_MODES = ("static", "redis", "kubernetes")
 @dataclass(frozen=True)
 class ReplicaInfo:
     """One replica as of its last :class:`kvroute.heartbeat.Heartbeat` (its fields, the load flattened)
-    and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds."""
+    and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds when it read
+    the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds)."""
 
     replica_id: str
     address: str = ""
@@ -57,6 +58,7 @@ class ReplicaInfo:
     usage: float = 0.0
     queued_prefill_tokens: int = 0
     heartbeat_at: float = 0.0
+    written_at: float = 0.0
     discovered: bool = False
     routable: bool = False
     reason: str = ""  # why it is not routable ("" when it is)
@@ -130,7 +132,7 @@ class ReplicaRegistry:
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
             num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
             waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
-            queued_prefill_tokens=load.queued_prefill_tokens, heartbeat_at=now,
+            queued_prefill_tokens=load.queued_prefill_tokens, heartbeat_at=now, written_at=heartbeat.ts,
         )
         with self._lock:
             old = self._replicas.get(replica_id)

@@ -24,10 +24,9 @@ import threading
 from typing import Any
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError

@@ -10,14 +10,15 @@ same ``Router`` core as the proxy (DESIGN.md §5).
                              (picked first, then the fallbacks), or an ImmediateResponse
                              (400 bad prompt, 503 nothing routable / empty subset, 429 every
                              candidate's heartbeat shows its waiting queue at its max_waiting)
-      response headers   the replica's first bytes: the prompt is prefilled (LoadTracker.prefill_done)
+      (later picks)      the replica's heartbeat covers the pick: its pending prefill is released
       response trailers  grpc-status and the replica's x-kvroute-cached-tokens: the prediction-accuracy
                          metric; x-kvroute-replica / -predicted-cached-tokens added for the client
       stream end         (completion, error, client cancel: Envoy closes the ext_proc stream with
                          the HTTP stream) ──▶ the ticket is finished, exactly once
 
 Consumes: the ext_proc messages of a gateway configured as ``kvroute_tools.envoy`` writes it
-(request header + buffered request body, response headers and trailers sent). Guarantees: the
+(request headers + buffered request body, response trailers sent; not the response headers, which
+would hold every call's first bytes for a picker answer). Guarantees: the
 endpoint is a routable replica inside the ``x-gateway-destination-endpoint-subset`` hint when one
 is given; the load a pick adds is released when the HTTP stream ends, however it ends. The bytes of
 the generation never pass through the router.

@@ -7,10 +7,16 @@ One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
                         → decide (minus the replicas outside the subset hint) → commit
                         → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
-    ← response_headers  the replica's first bytes: prefill done           → CONTINUE
     ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
                         → + x-kvroute-replica, x-kvroute-predicted-cached-tokens
     stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+
+The response headers are not asked for: Envoy would hold the first bytes until the picker
+answered, a Python wake-up on every call's time to first token (measured: most of what the picker
+added). So the prompt's share of the replica's pending prefill (``LoadTracker``) is not released at
+the first byte, as the proxy does, but once a heartbeat the replica wrote at least
+``_COVERED_AFTER_S`` after the pick is in the registry: its ``queued_prefill_tokens`` then counts
+the prompt if it still waits (the decision takes the larger of the two), or no longer does.
 
 Errors never leave the picker as a gRPC error of its own (Envoy would answer the client 500): a
 refused prompt is an ImmediateResponse with the status the proxy gives it.
@@ -19,6 +25,7 @@ refused prompt is an ImmediateResponse with the status the proxy gives it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -34,14 +41,15 @@ from kvroute.prompt import InvalidRequestError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
 from router.core import Decision
 from router.load import Ticket
-from router.registry import ReplicaInfo
 from router.picker import protocol
 from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
 from router.proxy import Proxy
+from router.registry import ReplicaInfo
 
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+_COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
 
 
 @dataclass(eq=False)
@@ -53,7 +61,7 @@ class _Call:
     content_type: str = ""
     decision: Decision | None = None
     ticket: Ticket | None = None
-    first_byte_s: float | None = None
+    picked_at: float = 0.0  # wall clock (Unix seconds), against the heartbeats' ``written_at``
     cached_tokens: int | None = None
     status: str = ""  # the call's final grpc-status name, or the picker's refusal
     operation: str = "text_completion"
@@ -75,6 +83,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def __init__(self, proxy: Proxy, *, fallbacks: int = 0) -> None:
         self._proxy = proxy
         self._fallbacks = fallbacks
+        self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
 
     async def Process(self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ext_pb.ProcessingResponse]:
@@ -95,8 +104,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                         yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
                     else:
                         yield self._pick(call, msg, msg.request_body.body)
-                elif kind == "response_headers":
-                    self._first_bytes(call, protocol.header_map(msg.response_headers))
+                elif kind == "response_headers":  # a gateway configured to send them: the first bytes
+                    if call.ticket is not None:
+                        self._proxy.router.load.prefill_done(call.ticket)
                     yield protocol.continue_response_headers()
                 elif kind == "response_trailers":
                     yield self._trailers(call, protocol.header_map(msg.response_trailers))
@@ -122,6 +132,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 salt = request.cache_salt
         except InvalidRequestError as e:
             return self._refuse(call, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._settle_prefill()
         registry = self._proxy.router.registry
         exclude = [r.replica_id for r in registry.all() if not r.address or (subset is not None and r.address not in subset)]
         if subset is not None and not subset:
@@ -137,8 +148,24 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             why = decision.reason if subset is None else f"no replica of the subset {','.join(subset)} is routable"
             return self._refuse(call, grpc.StatusCode.UNAVAILABLE, why)
         call.ticket = self._proxy.commit(decision)
+        call.picked_at = time.time()
+        self._unsettled.append(call)
         endpoints = [decision.picked.address, *self._next_best(decision)]
         return protocol.destination(endpoints, on_headers=body is None)
+
+    def _settle_prefill(self) -> None:
+        """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
+        (module docstring). Pick order, stopping at the first not covered: O(1) amortised."""
+        registry, load = self._proxy.router.registry, self._proxy.router.load
+        while self._unsettled:
+            call = self._unsettled[0]
+            ticket = call.ticket
+            if ticket is not None and not ticket.prefill_done:
+                info = registry.get(ticket.replica_id)
+                if info is not None and info.written_at < call.picked_at + _COVERED_AFTER_S:
+                    return
+                load.prefill_done(ticket)
+            self._unsettled.popleft()
 
     def _full_queues(self, exclude: Sequence[str]) -> list[ReplicaInfo]:
         """The candidates whose heartbeat shows their waiting queue at the bound they advertise
@@ -168,13 +195,6 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                                   {"content-type": "application/json"})
 
     # -- the response ------------------------------------------------------------------------------
-    def _first_bytes(self, call: _Call, headers: dict[str, str]) -> None:
-        call.first_byte_s = time.perf_counter() - call.t0
-        if call.ticket is not None:
-            self._proxy.router.load.prefill_done(call.ticket)
-        if "grpc-status" in headers:  # a trailers-only answer: the call failed before any message
-            call.status = _status_name(headers["grpc-status"])
-
     def _trailers(self, call: _Call, trailers: dict[str, str]) -> ext_pb.ProcessingResponse:
         call.status = _status_name(trailers.get("grpc-status", "0"))
         raw = trailers.get(MD_CACHED_TOKENS, "")
@@ -194,7 +214,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if d.picked is not None and call.cached_tokens is not None:
                 metrics.record_prediction(d.picked.replica_id, d.predicted_cached_tokens, call.cached_tokens)
         metrics.record_request(
-            operation=call.operation, ttft_s=call.first_byte_s, duration_s=duration_s,
+            operation=call.operation, ttft_s=None, duration_s=duration_s,
             prompt_tokens=d.prompt_tokens if d is not None else None, completion_tokens=None,
             error_type=call.status if call.status not in ("", "OK") else None,
         )

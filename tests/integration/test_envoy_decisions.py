@@ -81,7 +81,7 @@ def idle_cluster(stubs, router):
     for s in stubs.values():
         s.release()
         s.set_load(IDLE)
-    wait_for(lambda: all(i.running == 0 and i.queued_prefill_tokens == 0 for i in router.server.registry.routable())
+    wait_for(lambda: all(i.running == i.waiting == i.queued_prefill_tokens == 0 for i in router.server.registry.routable())
              and not router.server.load.local(), what="an idle cluster")
     yield
 
@@ -263,3 +263,21 @@ def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
     value = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
     assert value.string_value == ",".join(stubs[r].target for r in ("R2", "R3", "R1"))
     wait_for(lambda: not router.server.load.local(), what="the pick's load released with the stream")
+
+
+def test_a_picks_pending_prefill_lasts_until_its_replicas_heartbeat_covers_it(stubs, stubs_of, router):
+    for s in stubs.values():
+        s.hold()  # the call stays in flight: no byte comes back
+    try:
+        call = stubs_of["envoy"].GenerateStream(gen_pb.GenerateRequest(
+            token_ids=gen_pb.TokenIds(ids=prompt(6000, 160)), sampling=gen_pb.SamplingParams(max_tokens=1)), timeout=T)
+        wait_for(lambda: sum(s.server.open for s in stubs.values()) == 1, what="the call at its replica")
+        assert sorted(router.server.load.local().values()) == [(1, 160)]  # counted at the pick
+        # Later picks settle earlier ones whose replica has heartbeated (every 0.1 s) 0.25 s after them.
+        wait_for(lambda: pick(router, prompt(6001, 40), None) and sorted(router.server.load.local().values()) == [(1, 0)],
+                 what="the held call's prefill released, the call still in flight")
+    finally:
+        for s in stubs.values():
+            s.release()
+    assert "".join(m.text for m in call) in stubs
+    wait_for(lambda: not router.server.load.local(), what="released at the end of the stream")
