@@ -86,38 +86,41 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
 
     async def Process(self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[ext_pb.ProcessingResponse]:
+                      context: grpc.aio.ServicerContext) -> None:
+        # context.read / write rather than an async generator over request_iterator: fewer
+        # event-loop hops per message (the stream is on every call's way to its first token).
         call = _Call()
         try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("request")
-                if kind == "request_headers":
-                    headers = protocol.header_map(msg.request_headers)
-                    call.path = headers.get(":path", "").split("?", 1)[0]
-                    call.content_type = headers.get("content-type", "")
-                    if msg.request_headers.end_of_stream or not is_generation(call.path):
-                        yield self._pick(call, msg, None)  # no prompt: any routable replica
-                    else:
-                        yield protocol.continue_headers()
-                elif kind == "request_body":
-                    if call.decision is not None or call.status:  # picked (or refused) on the headers
-                        yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
-                    else:
-                        yield self._pick(call, msg, msg.request_body.body)
-                elif kind == "response_headers":  # a gateway configured to send them: the first bytes
-                    if call.ticket is not None:
-                        self._proxy.router.load.prefill_done(call.ticket)
-                    yield protocol.continue_response_headers()
-                elif kind == "response_trailers":
-                    yield self._trailers(call, protocol.header_map(msg.response_trailers))
-                else:  # a mode we did not ask for: let it pass unchanged
-                    yield _pass_through(kind)
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                await context.write(self._answer(call, msg))
         finally:
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
             # with it). Released now; recorded after, off the event loop's current turn.
             if call.ticket is not None:
                 self._proxy.router.load.finish(call.ticket)
             asyncio.get_running_loop().call_soon(self._record, call, time.perf_counter() - call.t0)
+
+    def _answer(self, call: _Call, msg: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
+        """The answer to one message of the stream (the module docstring's table)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            headers = protocol.header_map(msg.request_headers)
+            call.path = headers.get(":path", "").split("?", 1)[0]
+            call.content_type = headers.get("content-type", "")
+            if msg.request_headers.end_of_stream or not is_generation(call.path):
+                return self._pick(call, msg, None)  # no prompt: any routable replica
+            return protocol.continue_headers()
+        if kind == "request_body":
+            if call.decision is not None or call.status:  # picked (or refused) on the headers
+                return ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
+            return self._pick(call, msg, msg.request_body.body)
+        if kind == "response_headers":  # a gateway configured to send them: the first bytes
+            if call.ticket is not None:
+                self._proxy.router.load.prefill_done(call.ticket)
+            return protocol.continue_response_headers()
+        if kind == "response_trailers":
+            return self._trailers(call, protocol.header_map(msg.response_trailers))
+        return _pass_through(kind)  # a mode we did not ask for: let it pass unchanged
 
     # -- the pick ----------------------------------------------------------------------------------
     def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None) -> ext_pb.ProcessingResponse:

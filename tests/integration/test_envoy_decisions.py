@@ -253,11 +253,20 @@ def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
     indexed(router, stubs["R3"], tokens, 3)
     picker = EndpointPicker(router.server.proxy, fallbacks=2)
 
+    class Stream:  # the ext_proc stream's side a servicer sees: read until EOF, write the answers
+        def __init__(self):
+            self.incoming, self.answers = list(_pick_messages(tokens, None)), []
+
+        async def read(self):
+            return self.incoming.pop(0) if self.incoming else grpc.aio.EOF
+
+        async def write(self, msg):
+            self.answers.append(msg)
+
     async def run():
-        async def messages():
-            for m in _pick_messages(tokens, None):
-                yield m
-        return [m async for m in picker.Process(messages(), None)]
+        stream = Stream()
+        await picker.Process(None, stream)
+        return stream.answers
 
     answers = router.run(run())
     value = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
