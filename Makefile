@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# CPU torch, pinned: a looser spec pulls a multi-GB CUDA build (GPU users: pip install -e '.[replica,gpu]').
+# CPU torch, pinned: a looser spec pulls a multi-GB CUDA build (GPU users: pip install -e '.[replica,gpu,tools]').
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 

@@ -39,6 +39,12 @@ def cpu_seconds():
     return total
 
 
+def _reset_prefix_cache(llm) -> None:
+    # LLM.reset_prefix_cache() returns False when it refuses: the timed run would start warm.
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused reset_prefix_cache (blocks still in use): the timed run would start warm")
+
+
 def main():
     args = json.loads(open(sys.argv[1]).read())
     import vllm
@@ -54,11 +60,11 @@ def main():
     out = {"version": vllm.__version__, "batches": {}}
     for b, prompts in zip(args["batches"], args["prompts"]):
         reqs = [{"prompt_token_ids": p} for p in prompts]
-        llm.reset_prefix_cache()
+        _reset_prefix_cache(llm)
         res = llm.generate(reqs, greedy, use_tqdm=False)  # warm-up (as the engine's output-check run)
         times, cpu0 = [], cpu_seconds()
         for _ in range(args["repeats"]):
-            llm.reset_prefix_cache()  # every timed run computes its prompts
+            _reset_prefix_cache(llm)  # every timed run computes its prompts
             t0 = time.perf_counter()
             llm.generate(reqs, greedy, use_tqdm=False)
             times.append(time.perf_counter() - t0)

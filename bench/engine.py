@@ -97,7 +97,7 @@ def peak_rss_mib() -> float:
 # -- the engine ---------------------------------------------------------------------------------
 def engine_decode(engine: LLMEngine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    engine.kv.reset_prefix_cache()  # every timed run computes its prompts (no help from the last run)
+    engine.kv.reset_prefix_cache(must_succeed=True)  # every timed run computes its prompts (no warm cache)
     return [r.output_token_ids for r in engine.generate(prompts, params)]
 
 
@@ -162,7 +162,7 @@ def engine_ttft_rows(engine: LLMEngine, repeats: int, vocab: int) -> tuple[float
     of those (run right after it); returns (uncached s, cached s, tokens hit)."""
     gen = torch.Generator().manual_seed(7)
     uncached, cached, hits = [], [], []
-    engine.kv.reset_prefix_cache()
+    engine.kv.reset_prefix_cache(must_succeed=True)
     engine_ttft(engine, torch.randint(vocab, (TTFT_PROMPT_LEN,), generator=gen).tolist())  # warm-up
     for _ in range(repeats):
         base = torch.randint(vocab, (TTFT_PROMPT_LEN,), generator=gen).tolist()

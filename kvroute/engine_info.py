@@ -2,7 +2,8 @@
 
 Fixed once the engine is built. The engine process reports it to the server process, the server
 answers ``GetModelInfo`` with it and validates requests against it, and its heartbeat part
-(model, block_size, hash triple, num_blocks) goes into every :class:`kvroute.heartbeat.Heartbeat`.
+(model, block_size, hash triple, num_blocks, attention backend) goes into every
+:class:`kvroute.heartbeat.Heartbeat`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class EngineInfo:
         eos_token_id: the tokenizer's end-of-sequence id, if any.
         extra_eos_token_ids: further ids that end a generation (e.g. a chat model's end-of-turn),
             added to every request's stop ids unless it sets ``ignore_eos``.
+        attn_backend, attn_backend_reason: the paged-attention backend the engine runs
+            (``torch``, ``flash_attn`` or ``triton``) and why it was chosen (DESIGN.md §3.2);
+            informational, the router routes the same whatever they say.
     """
 
     model: str
@@ -38,6 +42,8 @@ class EngineInfo:
     hash_seed_digest: str
     eos_token_id: int | None = None
     extra_eos_token_ids: tuple[int, ...] = ()
+    attn_backend: str = ""
+    attn_backend_reason: str = ""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -11,6 +11,11 @@ through so that grpc reports CANCELLED / DEADLINE_EXCEEDED and the method's ``fi
 release what the call held. Streaming methods' generators are closed explicitly (``aclosing``)
 so that cleanup runs at once, not when the garbage collector finds it.
 
+Request bytes that do not parse as the method's message are a client error too: the servicers
+registered with :func:`add_servicer` get an :class:`UndecodableRequest` instead of a traceback in
+grpc's own handler, and the boundary answers INVALID_ARGUMENT ``"request: not a valid <message>
+(...)"`` with one WARNING line.
+
 The same mapping, as (status name, message), is what a call's metrics and spans record:
 :func:`call_outcome` (a cancelled handler reads as DEADLINE_EXCEEDED once the deadline has passed,
 else CANCELLED).
@@ -27,6 +32,9 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,66 @@ class RpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class UndecodableRequest:
+    """What a method registered with :func:`add_servicer` receives for request bytes that do not
+    parse as its ``message`` (full name); ``error`` is the parser's reason."""
+
+    __slots__ = ("message", "error")
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message = message
+        self.error = error
+
+    def refusal(self) -> tuple[grpc.StatusCode, str]:
+        return grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {self.message} ({self.error})"
+
+
+def _tolerant_parser(cls: type) -> Callable[[bytes], object]:
+    parse, name = cls.FromString, cls.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return UndecodableRequest(name, str(e))
+
+    return deserialize
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
+    """Register ``servicer``'s methods for ``service`` (a protobuf service descriptor), as the
+    generated ``add_<Service>Servicer_to_server`` does, except that undecodable request bytes reach
+    the method as an :class:`UndecodableRequest` (which :func:`error_boundary` refuses).
+
+    Raises:
+        AttributeError: ``servicer`` lacks one of the service's methods.
+    """
+    handlers = {}
+    for m in service.methods:
+        kind = _HANDLER_KINDS[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(
+            getattr(servicer, m.name),
+            request_deserializer=_tolerant_parser(message_factory.GetMessageClass(m.input_type)),
+            response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _refuse_undecodable(request: UndecodableRequest, context: grpc.aio.ServicerContext):
+    code, message = request.refusal()
+    log.warning("refused a call from %s: %s", context.peer(), message)
+    return context.abort(code, message)
 
 
 def _classified(exc: BaseException, classify: Classifier | None) -> tuple[grpc.StatusCode, str] | None:
@@ -95,6 +163,8 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
 
             @functools.wraps(fn)
             async def stream(self, request, context):
+                if type(request) is UndecodableRequest:
+                    await _refuse_undecodable(request, context)
                 try:
                     async with contextlib.aclosing(fn(self, request, context)) as gen:
                         async for item in gen:
@@ -108,6 +178,8 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
 
         @functools.wraps(fn)
         async def unary(self, request, context):
+            if type(request) is UndecodableRequest:
+                await _refuse_undecodable(request, context)
             try:
                 return await fn(self, request, context)
             except grpc.aio.AbortError:
@@ -120,4 +192,6 @@ def error_boundary(classify: Classifier | None = None) -> Callable:
     return decorate
 
 
-__all__ = ["Classifier", "RpcError", "call_outcome", "deadline_expired", "error_boundary"]
+__all__ = [
+    "Classifier", "RpcError", "UndecodableRequest", "add_servicer", "call_outcome", "deadline_expired", "error_boundary",
+]

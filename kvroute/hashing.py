@@ -194,8 +194,12 @@ class BlockHasher:
         return (self.algorithm, self.seed_digest, self.block_size)
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra: ExtraKeys = None) -> bytes:
-        """One block's digest, straight from the definition (``cbor2`` + digest). Not the hot path."""
+        """One block's digest, straight from the definition (``cbor2`` + digest). Not the hot path.
+
+        An empty ``extra`` (``()``) is no extra: it hashes as None (CBOR null), as every chain path does.
+        """
         parent = self.none_hash if parent is None else parent
+        extra = extra or None
         return self._digest(cbor2.dumps((parent, tuple(int(t) for t in tokens), extra), canonical=True))
 
     def hash_blocks(

@@ -45,8 +45,9 @@ class Heartbeat:
         replica_id, address: who the replica is and where it serves gRPC (``host:port``).
         epoch: the publisher's epoch (``time_ns`` at replica start); ``last_seq``: the last batch
             seq written to the event stream in that epoch.
-        model, block_size, hash_algorithm, hash_seed_digest, num_blocks: the replica's identity
-            (:class:`kvroute.engine_info.EngineInfo`'s heartbeat part).
+        model, block_size, hash_algorithm, hash_seed_digest, num_blocks, attn_backend,
+            attn_backend_reason: the replica's identity (:class:`kvroute.engine_info.EngineInfo`'s
+            heartbeat part; the last two say which attention backend runs and why).
         load: the latest :class:`EngineLoad`.
         max_waiting: the replica's waiting-queue bound (requests past it are refused with
             RESOURCE_EXHAUSTED); 0 when the replica does not say. An endpoint picker sheds a request
@@ -66,6 +67,8 @@ class Heartbeat:
     hash_seed_digest: str = ""
     num_blocks: int = 0
     max_waiting: int = 0
+    attn_backend: str = ""
+    attn_backend_reason: str = ""
     load: EngineLoad = field(default_factory=EngineLoad)
     ts: float = 0.0
     invalid: tuple[str, ...] = ()
@@ -79,8 +82,8 @@ class Heartbeat:
         return cls(
             replica_id=replica_id, address=address, epoch=epoch, last_seq=last_seq, model=info.model,
             block_size=info.block_size, hash_algorithm=info.hash_algorithm,
-            hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, load=load, ts=ts,
-            max_waiting=max_waiting,
+            hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, attn_backend=info.attn_backend,
+            attn_backend_reason=info.attn_backend_reason, load=load, ts=ts, max_waiting=max_waiting,
         )
 
     @property
@@ -102,6 +105,8 @@ class Heartbeat:
             "hash_seed_digest": self.hash_seed_digest,
             "num_blocks": str(self.num_blocks),
             "max_waiting": str(self.max_waiting),
+            "attn_backend": self.attn_backend,
+            "attn_backend_reason": self.attn_backend_reason,
             "free_blocks": str(load.free_blocks),
             "running": str(load.running),
             "waiting": str(load.waiting),
@@ -146,6 +151,7 @@ class Heartbeat:
         return cls(
             replica_id=replica_id, address=text.get("address", ""), model=text.get("model", ""),
             hash_algorithm=text.get("hash_algorithm", ""), hash_seed_digest=text.get("hash_seed_digest", ""),
+            attn_backend=text.get("attn_backend", ""), attn_backend_reason=text.get("attn_backend_reason", ""),
             load=load, ts=ts, invalid=tuple(bad), **ints,
         )
 

@@ -33,18 +33,23 @@ async def run_until_signal(
     service_name: str,
     metrics_port: int,
     telemetry: Telemetry | None = None,
+    drain: float | None = None,
+    *,
+    metrics_host: str = "127.0.0.1",
 ) -> None:
     """Start ``make_server(telemetry)``, wait for SIGTERM / SIGINT (also while still starting),
-    then stop it gracefully. A failed start stops the server at once and re-raises.
+    then stop it gracefully (``stop(drain=drain)`` when ``drain`` is given: the seconds the calls
+    in flight get to finish). A failed start stops the server at once and re-raises.
 
-    ``metrics_port`` < 0 means no Prometheus endpoint; the telemetry is set up (and shut down)
-    here unless the caller passes its own.
+    ``metrics_port`` < 0 means no Prometheus endpoint (else it listens on ``metrics_host``); the
+    telemetry is set up (and shut down) here unless the caller passes its own.
     """
     own_telemetry = telemetry is None
     if telemetry is None:
-        telemetry = setup_telemetry(service_name, metrics_port if metrics_port >= 0 else None, set_global=True)
+        telemetry = setup_telemetry(service_name, metrics_port if metrics_port >= 0 else None,
+                                    metrics_host=metrics_host, set_global=True)
         if telemetry.metrics_port is not None:
-            log.info("%s: metrics on :%d/metrics", service_name, telemetry.metrics_port)
+            log.info("%s: metrics on %s:%d/metrics", service_name, metrics_host, telemetry.metrics_port)
     server = make_server(telemetry)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -66,7 +71,7 @@ async def run_until_signal(
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
         log.info("%s: stopping", service_name)
-        await server.stop()
+        await (server.stop() if drain is None else server.stop(drain=drain))
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -156,12 +161,15 @@ class ServerMain:
     between kinds.
 
     Attributes:
-        settings_cls: the settings dataclass (flags and ``KVROUTE_*`` variables; has ``metrics_port``).
+        settings_cls: the settings dataclass (flags and ``KVROUTE_*`` variables; has ``host``,
+            ``metrics_port`` and ``metrics_host``).
         make_server: ``(settings, telemetry) -> server`` (started and stopped by :meth:`serve`).
         service_name: the telemetry service name (``kvroute-replica``).
         prog, description: the default program name and the ``--help`` description.
         what: the process kind named in the failure log line (``replica``).
         check, plain_errors: as :func:`run_main` takes them.
+        drain: ``settings -> seconds`` the calls in flight get to finish on SIGTERM (None: the
+            server's own ``stop()``).
     """
 
     settings_cls: type
@@ -172,11 +180,16 @@ class ServerMain:
     what: str
     check: Callable[[Any], object] | None = None
     plain_errors: tuple[type[BaseException], ...] = ()
+    drain: Callable[[Any], float] | None = None
 
     async def serve(self, settings: Any, *, telemetry: Telemetry | None = None) -> None:
-        """Run the server until SIGTERM / SIGINT, then stop it gracefully (:func:`run_until_signal`)."""
+        """Run the server until SIGTERM / SIGINT, then stop it gracefully (:func:`run_until_signal`).
+        The metrics endpoint listens on ``metrics_host``, or on ``host`` when that is empty: a
+        process bound to loopback does not expose its metrics on every interface."""
         await run_until_signal(
-            lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry
+            lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry,
+            None if self.drain is None else self.drain(settings),
+            metrics_host=settings.metrics_host or settings.host,
         )
 
     def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:

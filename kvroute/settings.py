@@ -21,9 +21,10 @@ T = TypeVar("T")
 ENV_PREFIX = "KVROUTE_"
 
 
-def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:  # noqa: A002
-    """A dataclass field with a help text (and optional choices) for the flag."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False) -> Any:  # noqa: A002
+    """A dataclass field with a help text (and optional choices) for the flag; a ``secret`` one is
+    left out of the settings object's repr (so a logged or printed settings object shows no password)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices}, repr=not secret)
 
 
 def _base_type(tp: Any) -> type:

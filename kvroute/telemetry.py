@@ -54,8 +54,11 @@ OTLP_ENDPOINT_VARIABLES = (
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
-# Span and metric attributes: the GenAI semantic conventions' names, and kvroute's request id.
+# Span and metric attributes: the GenAI semantic conventions' names, and kvroute's request id and
+# replica id (the replica a router metric is about, or the replica that exports a replica metric:
+# Prometheus label ``kvroute_replica_id`` on both sides, so one dashboard variable selects both).
 ATTR_REQUEST_ID = "kvroute.request_id"
+ATTR_REPLICA = "kvroute.replica_id"
 ATTR_OPERATION = "gen_ai.operation.name"
 ATTR_MODEL = "gen_ai.request.model"
 ATTR_TOKEN_TYPE = "gen_ai.token.type"
@@ -124,7 +127,7 @@ def setup_telemetry(
     service_name: str,
     metrics_port: int | None = None,
     *,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = "127.0.0.1",
     otlp: bool | None = None,
     span_exporters: Iterable[SpanExporter] = (),
     metric_readers: Iterable[MetricReader] = (),
@@ -137,6 +140,7 @@ def setup_telemetry(
         service_name: the ``service.name`` resource attribute (``kvroute-replica``, ``kvroute-router``).
         metrics_port: serve Prometheus text on this port (0 = a free one, read back from
             ``Telemetry.metrics_port``); ``None`` or negative = no endpoint.
+        metrics_host: the endpoint's listen address (``0.0.0.0`` = every interface).
         otlp: export metrics and traces with OTLP/gRPC; ``None`` = when ``otlp_configured()``.
         span_exporters: extra span exporters, each behind a ``SimpleSpanProcessor`` (tests).
         metric_readers: extra metric readers (tests pass an ``InMemoryMetricReader``).
@@ -231,6 +235,7 @@ __all__ = [
     "ATTR_MODEL",
     "ATTR_OPERATION",
     "ATTR_OUTPUT_TOKENS",
+    "ATTR_REPLICA",
     "ATTR_REQUEST_ID",
     "ATTR_TOKEN_TYPE",
     "REQUEST_DURATION_BUCKETS",

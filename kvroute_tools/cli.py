@@ -16,11 +16,13 @@ torch (DESIGN.md §1).
                                                  Ctrl-C (or, with CMD, until CMD ends; {target} in CMD
                                                  becomes the router's host:port) -- kvroute_tools.up
     kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute_tools.client
+    kvroute health --target H:P                  exit 0 when the router is ready and has a routable
+                                                 replica, else 1 with the reason -- kvroute_tools.health
     kvroute bench [--trace F] [--target H:P]     replay a Mooncake trace through a running cluster per
                                                  routing policy and print the table -- kvroute_tools.bench
 
 Argument errors exit 2 with the usage line; a command that cannot reach what it needs exits 1 (up,
-generate) or 2 (bench) with one line saying why.
+generate, health) or 2 (bench) with one line saying why.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+
+
+def int_in(lo: int, hi: int):
+    """An argparse ``type``: an int in ``[lo, hi]``, else the usage line and exit 2 naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
 
 _SIM_POLICIES = ("kvroute", "round_robin", "least_loaded", "random", "sglang_cache_aware", "llmd", "dynamo", "chwbl")
 
@@ -66,6 +84,23 @@ def _generate(args: argparse.Namespace) -> int:
     )
 
 
+def _health(args: argparse.Namespace) -> int:
+    from kvroute_tools.health import health_main
+
+    return health_main(args.target, args.timeout)
+
+
+def _check_health(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvroute_tools.client import parse_target
+
+    try:
+        parse_target(args.target)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.timeout > 0:
+        p.error(f"--timeout: must be > 0, got {args.timeout}")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvroute_tools.bench.run import bench_main
 
@@ -92,8 +127,8 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
-            ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, gateway=args.gateway,
-            gateway_port=args.gateway_port,
+            ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
+            gateway=args.gateway, gateway_port=args.gateway_port,
         )
     except ValueError as e:
         p.error(str(e))
@@ -108,8 +143,6 @@ def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(str(e))
     if not args.text:
         p.error("text: must not be empty (pass the prompt, or - to read it from stdin)")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        p.error(f"--max-tokens: must be >= 1, got {args.max_tokens}")
     if args.temperature is not None and not args.temperature >= 0:
         p.error(f"--temperature: must be >= 0, got {args.temperature}")
     if args.timeout is not None and args.timeout <= 0:
@@ -138,6 +171,7 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="Prefix-aware routing cluster for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
+    from kvroute.sampling import MAX_MAX_TOKENS, MAX_SEED
     from kvroute_tools.simulate.flags import add_arguments
 
     sim = sub.add_parser(
@@ -182,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (default 1)")
     u.add_argument("--replica-args", default="", help="more replica flags, one string (kvroute replica --help)")
     u.add_argument("--router-args", default="", help="more router flags, one string (kvroute router --help)")
+    u.add_argument("--metrics", action="store_true",
+                   help="a Prometheus /metrics endpoint on every replica and the router (free ports, printed with "
+                        "the endpoints)")
     u.add_argument("--log-dir", default="", help="where each process's log goes (default: a new temp folder)")
     u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     u.add_argument("--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -197,13 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("text", help="the prompt (- reads it from stdin)")
     g.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     g.add_argument("--chat", action="store_true", help="send the text as one user message (chat template)")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    g.add_argument("--max-tokens", type=int_in(1, MAX_MAX_TOKENS), default=32,
+                   help="tokens to generate at most (default 32)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the engine's, 1.0)")
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--seed", type=int_in(0, MAX_SEED), default=None, help="per-request sampling seed")
     g.add_argument("--cache-salt", default="", help="prefix-cache isolation key (tenant)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")
     g.set_defaults(func=_generate, check=_check_generate)
+
+    h = sub.add_parser("health", help="exit 0 when a router is ready and has a routable replica",
+                       description="Check a router: grpc.health.v1 readiness must be SERVING and RouterService.Score "
+                                   "must list at least one routable replica. Prints one line; exit 0 when healthy, "
+                                   "1 otherwise (the line says why). The chart's `helm test`.")
+    h.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
+    h.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds (default 5)")
+    h.set_defaults(func=_health, check=_check_health)
 
     b = sub.add_parser(
         "bench", help="replay a Mooncake trace through a running cluster, per routing policy",

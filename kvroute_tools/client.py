@@ -157,7 +157,8 @@ def generate_main(
     cache_salt: str = "", ignore_eos: bool = False, seed: int | None = None, timeout: float | None = None,
     out: TextIO | None = None, err: TextIO | None = None,
 ) -> int:
-    """``kvroute generate``: 0 on a finished stream, 1 on an RPC failure (one line on ``err``)."""
+    """``kvroute generate``: 0 on a finished stream, 1 on an RPC failure (one line on ``err``), 130
+    on Ctrl-C (nothing more is printed: the text streamed so far is all the user gets)."""
     out = out or sys.stdout
     err = err or sys.stderr
     request = build_request(text, chat=chat, max_tokens=max_tokens, temperature=temperature,
@@ -168,6 +169,8 @@ def generate_main(
         out.flush()
         err.write(("\n" if out is err else "") + f"kvroute generate: {describe_rpc_error(e, target)}\n")
         return 1
+    except KeyboardInterrupt:  # leaving the channel's `with` has cancelled the call
+        return 130
     out.write("\n")
     out.flush()
     err.write(summary_line(result) + "\n")

@@ -4,7 +4,8 @@ machine (DESIGN.md §7), started in order and stopped in order.
     start ─▶ redis-server (embedded, unless --redis-url)
           ─▶ the model resolved once (kvroute_tools.resolve_model in a child python: N replicas
              don't race to write the default model, and `up` stays torch-free)
-          ─▶ N x `python -m replica` + `python -m router`
+          ─▶ N x `python -m replica` + `python -m router` (with ``metrics``: each with a Prometheus
+             endpoint on a free port, ``metrics_urls``, printed in the banner)
           ─▶ ready: every grpc.health.v1 "readiness" SERVING, and the router sees all N replicas
              routable (RouterService.Score)
           ─▶ --gateway envoy: Envoy (kvroute_tools.envoy) in front, the router as its endpoint picker
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import socket
 import subprocess
 import sys
@@ -41,11 +41,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.process import dial_host
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
+from kvroute_tools.banner import EXAMPLE_PROMPT, banner_text
 from kvroute_tools.envoy import EnvoyFront
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
-
-EXAMPLE_PROMPT = "The harbour town woke before the sun."
 
 
 class ClusterError(RuntimeError):
@@ -60,6 +59,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     router_port: int = 50050  # 0 = a free port
     router_http_port: int = 0  # the router's OpenAI-compatible HTTP API: 0 = a free port, -1 = off
+    metrics: bool = False  # a Prometheus /metrics endpoint on every replica and the router (free ports)
     base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
     redis_url: str = ""  # empty = an embedded redis-server on a free port
     namespace: str = DEFAULT_NAMESPACE
@@ -126,6 +126,7 @@ class LocalCluster:
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.envoy: EnvoyFront | None = None  # --gateway envoy
+        self.metrics_urls: dict[str, str] = {}  # process name -> http://host:port/metrics (with metrics)
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -160,6 +161,7 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             router_port, replica_ports = self._ports()
             http_port = self._http_port([router_port, *replica_ports])
+            metrics_ports = self._metrics_ports([router_port, *replica_ports, http_port])
             if self.redis_url:
                 self._check_redis()
             else:
@@ -168,9 +170,11 @@ class LocalCluster:
             deadline = time.monotonic() + cfg.ready_timeout
             for i, port in enumerate(replica_ports):
                 rid = f"replica-{i}"
-                self.replicas.append(Child(rid, self._replica_argv(rid, port), self.log_dir / f"{rid}.log",
+                argv = self._replica_argv(rid, port) + self._metrics_flags(rid, metrics_ports)
+                self.replicas.append(Child(rid, argv, self.log_dir / f"{rid}.log",
                                            target=f"{cfg.dial_host}:{port}").start())
-            self.router = Child("router", self._router_argv(router_port, http_port), self.log_dir / "router.log",
+            argv = self._router_argv(router_port, http_port) + self._metrics_flags("router", metrics_ports)
+            self.router = Child("router", argv, self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
             self._wait_routable(deadline)
@@ -203,6 +207,25 @@ class LocalCluster:
             port = free_port(cfg.dial_host)
         self.router_http_url = f"http://{cfg.dial_host}:{port}/v1"
         return port
+
+    def _metrics_ports(self, taken: Sequence[int]) -> dict[str, int]:
+        """With ``metrics``: a free port per process (router, replica-0, ...) apart from ``taken``;
+        sets ``metrics_urls``. Empty without."""
+        cfg = self.config
+        if not cfg.metrics:
+            return {}
+        ports: dict[str, int] = {}
+        for name in ("router", *(f"replica-{i}" for i in range(cfg.replicas))):
+            port = 0
+            while not port or port in taken or port in ports.values():
+                port = free_port(cfg.dial_host)
+            ports[name] = port
+            self.metrics_urls[name] = f"http://{cfg.dial_host}:{port}/metrics"
+        return ports
+
+    def _metrics_flags(self, name: str, ports: dict[str, int]) -> list[str]:
+        # The endpoint listens on --host (the processes' metrics_host follows their host).
+        return ["--metrics-port", str(ports[name])] if name in ports else []
 
     def _ports(self) -> tuple[int, list[int]]:
         cfg = self.config
@@ -273,7 +296,8 @@ class LocalCluster:
         cfg = self.config
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
-                *self._model_flags()]
+                # Ctrl-C aborts what is in flight at once (a pod's SIGTERM drains: the chart sets it).
+                "--drain-timeout", "0", *self._model_flags()]
         if cfg.kv_cache_memory_mb is not None:
             argv += ["--kv-cache-memory-mb", str(cfg.kv_cache_memory_mb)]
         if cfg.num_blocks is not None:
@@ -350,33 +374,8 @@ class LocalCluster:
         return self._died(child, "unexpectedly")
 
     def banner(self) -> str:
-        t = self.front_target
-        lines = [
-            f"kvroute up: {len(self.replicas)} replicas and a router are ready (logs in {self.log_dir})",
-            f"  {'router':<11} {self.router_target:<22} pid {self.router.pid if self.router else '-'}",
-        ]
-        if self.envoy is not None and self.envoy.child is not None:
-            lines.append(f"  {'envoy':<11} {t:<22} pid {self.envoy.child.pid} (the front; admin {self.envoy.admin_url},"
-                         f" log {self.envoy.log_path}; the router is its endpoint picker)")
-        for c in self.replicas:
-            lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}")
-        if self.redis is not None:
-            lines.append(f"  {'redis':<11} {self.redis_url:<22} pid {self.redis.pid} (embedded)")
-        else:
-            lines.append(f"  {'redis':<11} {self.redis_url}")
-        lines.append(f"  model       {self.model_dir}")
-        lines += [
-            "Try:",
-            f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",
-            f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\", \"sampling\": {{\"max_tokens\": 16}}}}' "
-            f"{t} kvroute.v1.GenerationService/GenerateStream",
-            f"  kvroute bench --target {t} --requests 200",
-        ]
-        if self.router_http_url:
-            lines.insert(-4, f"  openai      {self.router_http_url} (the router's OpenAI-compatible HTTP API)")
-            body = json.dumps({"model": Path(self.model_dir).name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
-            lines.append(f"  curl {self.router_http_url}/completions -H 'Content-Type: application/json' -d '{body}'")
-        return "\n".join(lines)
+        """The endpoints and examples ``kvroute up`` prints once ready (kvroute_tools.banner)."""
+        return banner_text(self)
 
     # -- stop ------------------------------------------------------------------------------------
     def stop(self) -> None:

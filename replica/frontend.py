@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -115,6 +116,8 @@ class ReplicaFrontend:
         self.totals = RequestTotals()  # the per-request counts under vLLM's names (replica.vllm_metrics)
         self._prev_hook_ns = time.time_ns()
         self._draining = False
+        self._idle = asyncio.Event()  # set while no call is in flight (wait_idle)
+        self._idle.set()
 
     # -- lifecycle (event loop) ------------------------------------------------------------------
     def attach(self, engine: EngineClient, info: EngineInfo, tokenizer: Tokenizer, publisher: EventPublisher) -> None:
@@ -124,6 +127,18 @@ class ReplicaFrontend:
         self.tokenizer = tokenizer
         self.publisher = publisher
         self.engine = engine
+
+    def stop_admitting(self) -> None:
+        """Refuse new calls (UNAVAILABLE, "shutting down"); calls in flight go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the calls in flight to end; True when none is left."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def drain(self) -> int:
         """Refuse new calls (UNAVAILABLE) and abort every in-flight one; returns how many."""
@@ -230,6 +245,7 @@ class ReplicaFrontend:
                 )
             call = _Call(rid, req, time.time_ns())
             self._calls[rid] = call
+            self._idle.clear()
             with self._lock:
                 self._awaiting[rid] = call
             async with contextlib.aclosing(engine.generate(req)) as outputs:
@@ -255,6 +271,8 @@ class ReplicaFrontend:
             end_ns = time.time_ns()
             if call is not None:
                 self._calls.pop(call.request_id, None)
+                if not self._calls:
+                    self._idle.set()
                 with self._lock:
                     self._awaiting.pop(call.request_id, None)
             self._record(call, final, spans, t0, first_token_s, end_ns, error, operation)

@@ -8,8 +8,9 @@ and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls, abort in-flight ─▶ HTTP and grpc stop(grace)
-              ─▶ engine process (or thread) stopped ─▶ publisher closed         (a few seconds at most)
+    stop():   every status NOT_SERVING ─▶ refuse new calls ─▶ in-flight calls get ``drain`` seconds to
+              finish (SIGTERM: ``drain_timeout``), the rest are aborted ─▶ HTTP and grpc stop(grace)
+              ─▶ engine process (or thread) stopped ─▶ publisher closed    (drain + a few seconds at most)
 
 The publisher is always an ``EventPublisher`` (``make_publisher``: Redis, or the null one without
 ``redis_url``). The engine process exists because a step of a small model is mostly Python: on a
@@ -37,21 +38,30 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
 from kvroute.events import KVCacheEvent
+from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
+from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
-from kvroute.v1 import generation_pb2_grpc, replica_pb2_grpc
+from kvroute.v1 import generation_pb2, replica_pb2
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
 from replica.http_api import replica_http_app
-from replica.publisher import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn, make_publisher
+from replica.publisher import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherStats,
+    ReplicaIdInUseError,
+    SnapshotFn,
+    make_publisher,
+)
 from replica.servicers import GenerationServicer, ReplicaServicer
 from replica.settings import ReplicaSettings
 from replica.telemetry import ReplicaMetrics
@@ -97,7 +107,7 @@ def build_engine(settings: ReplicaSettings) -> tuple[Any, str]:
     model_dir, name = resolve_model_dir(settings)
     engine = LLMEngine(model_dir, settings.engine_config())
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
-    engine.kv.reset_prefix_cache()
+    engine.kv.reset_prefix_cache(must_succeed=True)
     engine.take_kv_events()
     engine.kv.stats = PrefixCacheStats()
     return engine, name
@@ -126,6 +136,7 @@ def _make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
         buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, max_waiting=s.max_waiting,
+        redis_options=redis_auth(s.redis_password, s.redis_ca_file),
     )
 
 
@@ -199,6 +210,7 @@ class ReplicaServer:
 
         Raises:
             RuntimeError: the port cannot be bound, or ``redis_url`` is set without a publisher.
+            ReplicaIdInUseError: a live replica at another address heartbeats under this replica id.
             ModelLoadError / ValueError: from :func:`build_engine` (the server is stopped first).
         """
         s = self.settings
@@ -211,6 +223,11 @@ class ReplicaServer:
         wildcard = s.host in WILDCARD_HOSTS
         self.address = s.advertise_address or f"{socket.gethostname() if wildcard else s.host}:{self.port}"
         self.replica_id = s.replica_id or f"{socket.gethostname()}-{self.port}"
+        if s.redis_url:  # before anything is served or loaded: a live replica elsewhere owns this id?
+            from replica.publisher.id_check import claim_replica_id
+
+            layout = RedisLayout(s.namespace, s.event_shards)
+            await asyncio.to_thread(claim_replica_id, s.redis_url, layout, self.replica_id, self.address)
         tracer = None
         if self.telemetry is not None and self.telemetry.tracing:  # spans nobody exports are not made
             tracer = self.telemetry.tracer("kvroute.replica")
@@ -221,8 +238,8 @@ class ReplicaServer:
             app = replica_http_app(frontend, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
             self.http_port = self._http.port
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
-        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(frontend), server)
+        add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(frontend))
+        add_servicer(server, replica_pb2.DESCRIPTOR.services_by_name["ReplicaService"], ReplicaServicer(frontend))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -245,10 +262,11 @@ class ReplicaServer:
         await self._set_all(_SERVING)
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
-            " hashing %s [%s], CPU decode attention %s",
+            " hashing %s [%s], attention backend %s (%s), CPU decode attention %s",
             self.replica_id, self.model_name, info.num_blocks, info.block_size, info.max_model_len,
             self.address, f"process {self.engine.pid}" if s.engine_process else "thread",
-            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation,
+            s.hash_algorithm, BlockHasher(s.hash_algorithm).implementation, info.attn_backend,
+            info.attn_backend_reason,
             "compiled kernel" if torch_backend._cpu_paged is not None else "gather + SDPA (_cpu_paged not built)",
         )
 
@@ -260,7 +278,8 @@ class ReplicaServer:
             # A replica that does not publish exports no event counters (rather than zeros).
             stats = (lambda: self.publisher.stats()) if self.settings.redis_url else (lambda: None)
             frontend.metrics = ReplicaMetrics(
-                self.telemetry.meter("kvroute.replica"), model=self.model_name, sample=frontend.latest_sample,
+                self.telemetry.meter("kvroute.replica"), model=self.model_name, replica_id=self.replica_id,
+                sample=frontend.latest_sample,
                 publisher=stats,
             )
 
@@ -306,9 +325,10 @@ class ReplicaServer:
             await self._set_all(_NOT_SERVING)
             await self._health.set(LIVENESS, _NOT_SERVING)
 
-    async def stop(self, grace: float = 1.0) -> None:
-        """Stop: NOT_SERVING everywhere, abort in-flight calls, stop gRPC within ``grace`` seconds,
-        stop the engine process (or thread), close the publisher. Idempotent.
+    async def stop(self, grace: float = 1.0, *, drain: float = 0.0) -> None:
+        """Stop: NOT_SERVING everywhere (readiness first, so the endpoint leaves the Service), refuse
+        new calls, give the calls in flight ``drain`` seconds to finish, abort the rest, stop gRPC
+        within ``grace`` seconds, stop the engine process (or thread), close the publisher. Idempotent.
 
         The aborted generation streams end within milliseconds, so ``grace`` mostly bounds calls
         that never end on their own (health ``Watch`` streams), which are cancelled after it.
@@ -318,6 +338,11 @@ class ReplicaServer:
         try:
             await self._health.enter_graceful_shutdown()
             if self.frontend is not None:
+                self.frontend.stop_admitting()
+                if drain > 0 and self.frontend.num_in_flight:
+                    log.info("replica %s: draining %d in-flight requests (up to %.1fs)",
+                             self.replica_id, self.frontend.num_in_flight, drain)
+                    await self.frontend.wait_idle(drain)
                 n = self.frontend.drain()
                 if n:
                     log.info("replica %s: aborting %d in-flight requests", self.replica_id, n)
@@ -359,7 +384,7 @@ class BackgroundReplica(BackgroundServer):
 _MAIN = ServerMain(
     ReplicaSettings, lambda settings, telemetry: ReplicaServer(settings, telemetry=telemetry), "kvroute-replica",
     "python -m replica", "A kvroute replica: paged-KV engine, gRPC GenerationService + ReplicaService, KV events.",
-    "replica",
+    "replica", drain=lambda settings: settings.drain_timeout, plain_errors=(ReplicaIdInUseError,),
 )
 serve = _MAIN.serve  # serve(settings, *, telemetry=None): a replica until SIGTERM / SIGINT, then stopped gracefully
 main = _MAIN.main  # main(argv=None, prog=None) -> exit status: ``python -m replica`` / ``kvroute replica``

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
+from replica.attention.backend import BACKEND_NAMES
 from replica.engine.config import EngineConfig
 
 
@@ -23,7 +24,12 @@ class ReplicaSettings:
     replica_id: str = setting("", "unique id in the cluster (default hostname-port)")
     http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
+    metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
+    redis_password: str = setting(
+        "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
+    )
+    redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats (TTL = 3 heartbeats)")
@@ -31,12 +37,18 @@ class ReplicaSettings:
     event_buffer: int = setting(10000, "event batches buffered while Redis is slow or down")
     stream_maxlen: int = setting(100000, "approximate MAXLEN of the event stream")
     max_waiting: int = setting(256, "requests waiting in the queue before RESOURCE_EXHAUSTED")
+    drain_timeout: float = setting(
+        30.0, "on SIGTERM: seconds the requests in flight get to finish (no new ones admitted) before they are aborted"
+    )
     engine_process: bool = setting(
         True, "run the engine step loop in its own process (false: a thread of the gRPC process)"
     )
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("auto", "float32, float16, bfloat16 or auto")
-    attn_backend: str = setting("auto", "attention backend", choices=("auto", "torch", "flash_attn"))
+    attn_backend: str = setting(
+        "auto", "attention backend (auto: flash_attn on CUDA when a build pages block_size, else triton; torch off CUDA)",
+        choices=BACKEND_NAMES,
+    )
     block_size: int = setting(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
     num_blocks: int = setting(0, "KV blocks (0 = size from the memory budget)")
     kv_cache_memory_mb: int = setting(256, "KV cache budget on CPU, MiB")
@@ -50,6 +62,7 @@ class ReplicaSettings:
     cpu_offload_blocks: int = setting(0, "CPU-tier KV blocks (0 = no CPU tier)")
     torch_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     seed: int = setting(0, "seed of the shared sampling generator")
+    enforce_eager: bool = setting(False, "never run decode steps as CUDA graphs")
 
     @property
     def resolved_replica_id(self) -> str:
@@ -73,4 +86,5 @@ class ReplicaSettings:
             cpu_offload_blocks=self.cpu_offload_blocks,
             seed=self.seed,
             torch_threads=self.torch_threads or None,
+            enforce_eager=self.enforce_eager,
         )

@@ -9,25 +9,28 @@ are recorded by the service when a call ends.
 OpenTelemetry name -> Prometheus name (as the Prometheus exporter writes them; token counts use the
 annotation unit ``{token}``, which adds no suffix) -> vLLM v1 equivalent:
 
-=========================================  =================================================  ==============================
-``kvroute.replica.prefix_cache.queries``   ``kvroute_replica_prefix_cache_queries_total``     ``vllm:prefix_cache_queries``
-``kvroute.replica.prefix_cache.hits``      ``kvroute_replica_prefix_cache_hits_total``        ``vllm:prefix_cache_hits``
-``kvroute.replica.kv_cache.usage``         ``kvroute_replica_kv_cache_usage`` (0..1)          ``vllm:kv_cache_usage_perc``
-``kvroute.replica.requests.running``       ``kvroute_replica_requests_running``               ``vllm:num_requests_running``
-``kvroute.replica.requests.waiting``       ``kvroute_replica_requests_waiting``               ``vllm:num_requests_waiting``
-``kvroute.replica.preemptions``            ``kvroute_replica_preemptions_total``              ``vllm:num_preemptions``
-``kvroute.replica.prompt_tokens``          ``kvroute_replica_prompt_tokens_total``            ``vllm:prompt_tokens``
-``kvroute.replica.generation_tokens``      ``kvroute_replica_generation_tokens_total``        ``vllm:generation_tokens``
-``kvroute.replica.requests.finished``      ``kvroute_replica_requests_finished_total``        ``vllm:request_success``
-``kvroute.replica.events.published``       ``kvroute_replica_events_published_total``         (none: vLLM publishes over ZMQ)
-``kvroute.replica.events.batches``         ``kvroute_replica_events_batches_total``           (none)
-``kvroute.replica.events.dropped_batches`` ``kvroute_replica_events_dropped_batches_total``   (none)
-``gen_ai.server.time_to_first_token``      ``gen_ai_server_time_to_first_token_seconds``      ``vllm:time_to_first_token_seconds``
-``gen_ai.server.time_per_output_token``    ``gen_ai_server_time_per_output_token_seconds``    ``vllm:time_per_output_token_seconds``
-``gen_ai.server.request.duration``         ``gen_ai_server_request_duration_seconds``         ``vllm:e2e_request_latency_seconds``
-=========================================  =================================================  ==============================
+================================================  ======================================================  ======================================
+``kvroute.replica.prefix_cache.queries``          ``kvroute_replica_prefix_cache_queries_total``          ``vllm:prefix_cache_queries``
+``kvroute.replica.prefix_cache.hits``             ``kvroute_replica_prefix_cache_hits_total``             ``vllm:prefix_cache_hits``
+``kvroute.replica.kv_cache.usage``                ``kvroute_replica_kv_cache_usage`` (0..1)               ``vllm:kv_cache_usage_perc``
+``kvroute.replica.requests.running``              ``kvroute_replica_requests_running``                    ``vllm:num_requests_running``
+``kvroute.replica.requests.waiting``              ``kvroute_replica_requests_waiting``                    ``vllm:num_requests_waiting``
+``kvroute.replica.preemptions``                   ``kvroute_replica_preemptions_total``                   ``vllm:num_preemptions``
+``kvroute.replica.preemption.recomputed_tokens``  ``kvroute_replica_preemption_recomputed_tokens_total``  (none: vLLM drops them from its stats)
+``kvroute.replica.prompt_tokens``                 ``kvroute_replica_prompt_tokens_total``                 ``vllm:prompt_tokens``
+``kvroute.replica.generation_tokens``             ``kvroute_replica_generation_tokens_total``             ``vllm:generation_tokens``
+``kvroute.replica.requests.finished``             ``kvroute_replica_requests_finished_total``             ``vllm:request_success``
+``kvroute.replica.events.published``              ``kvroute_replica_events_published_total``              (none: vLLM publishes over ZMQ)
+``kvroute.replica.events.batches``                ``kvroute_replica_events_batches_total``                (none)
+``kvroute.replica.events.dropped_batches``        ``kvroute_replica_events_dropped_batches_total``        (none)
+``gen_ai.server.time_to_first_token``             ``gen_ai_server_time_to_first_token_seconds``           ``vllm:time_to_first_token_seconds``
+``gen_ai.server.time_per_output_token``           ``gen_ai_server_time_per_output_token_seconds``         ``vllm:time_per_output_token_seconds``
+``gen_ai.server.request.duration``                ``gen_ai_server_request_duration_seconds``              ``vllm:e2e_request_latency_seconds``
+================================================  ======================================================  ======================================
 
 (vLLM's Prometheus names carry ``_total`` on counters too, e.g. ``vllm:prefix_cache_hits_total``.)
+Every point carries ``kvroute.replica_id`` (label ``kvroute_replica_id``), the label of the router's
+per-replica metrics too; vLLM's names have ``model_name`` and ``engine`` instead.
 The three ``gen_ai.server.*`` histograms use the GenAI semantic conventions' bucket boundaries and
 attributes (``gen_ai.operation.name``, ``gen_ai.request.model``, ``error.type`` on failures).
 ``gen_ai.client.token.usage`` is a *client* metric (the router records it); the replica does not.
@@ -58,6 +61,7 @@ from kvroute.telemetry import (
     ATTR_MODEL,
     ATTR_OPERATION,
     ATTR_OUTPUT_TOKENS,
+    ATTR_REPLICA,
     ATTR_REQUEST_ID,
     REQUEST_DURATION_BUCKETS,
     TPOT_BUCKETS,
@@ -85,6 +89,7 @@ class EngineSample:
     prefix_cache_hits: int = 0
     prefix_cache_cpu_hits: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0
     num_steps: int = 0
 
 
@@ -104,6 +109,7 @@ def sample_engine(engine: Any) -> EngineSample:
         prefix_cache_hits=stats.hits,
         prefix_cache_cpu_hits=stats.cpu_hits,
         preemptions=sched.num_preemptions,
+        recomputed_tokens=stats.recomputed_tokens,
         num_steps=engine.num_steps,
     )
 
@@ -111,6 +117,8 @@ def sample_engine(engine: Any) -> EngineSample:
 class ReplicaMetrics:
     """Creates the replica's instruments on ``meter`` (names in the module docstring).
 
+    Every point carries ``kvroute.replica_id`` = ``replica_id`` (Prometheus ``kvroute_replica_id``,
+    the label the router's per-replica metrics carry: one dashboard variable selects both).
     ``sample()`` returns the latest :class:`EngineSample` (or None before the engine runs);
     ``publisher()`` returns the KV event publisher or None (its ``events_published``,
     ``batches_published`` and ``batches_dropped`` counters are exported as they are).
@@ -121,24 +129,27 @@ class ReplicaMetrics:
         meter: metrics.Meter,
         *,
         model: str,
+        replica_id: str,
         sample: Callable[[], EngineSample | None],
         publisher: Callable[[], Any] = lambda: None,
     ) -> None:
         self._sample = sample
         self._publisher = publisher
         self.model = model
+        self._replica = {ATTR_REPLICA: replica_id}
+        replica = self._replica
 
         def engine_value(attr: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
             def cb(_options: CallbackOptions) -> Iterable[Observation]:
                 s = self._sample()
-                return [] if s is None else [Observation(getattr(s, attr))]
+                return [] if s is None else [Observation(getattr(s, attr), replica)]
 
             return cb
 
         def publisher_value(attr: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
             def cb(_options: CallbackOptions) -> Iterable[Observation]:
                 p = self._publisher()
-                return [] if p is None else [Observation(int(getattr(p, attr, 0)))]
+                return [] if p is None else [Observation(int(getattr(p, attr, 0)), replica)]
 
             return cb
 
@@ -166,6 +177,11 @@ class ReplicaMetrics:
         meter.create_observable_counter(
             "kvroute.replica.preemptions", [engine_value("preemptions")], unit="{preemption}",
             description="Requests preempted by recompute (vllm:num_preemptions)",
+        )
+        meter.create_observable_counter(
+            "kvroute.replica.preemption.recomputed_tokens", [engine_value("recomputed_tokens")], unit="{token}",
+            description="Tokens computed again by requests re-admitted after a preemption (kept out of"
+            " prefix_cache.queries/hits, as vLLM keeps preempted requests out of its prefix cache stats)",
         )
         meter.create_observable_counter(
             "kvroute.replica.events.published", [publisher_value("events_published")], unit="{event}",
@@ -217,7 +233,7 @@ class ReplicaMetrics:
         """Record one ended call, refused ones included (0 tokens). ``ttft_s`` is None when no token
         was produced; ``error_type`` is the gRPC status name of a failed call. TTFT and TPOT are
         recorded for successful calls only (the spec's "for successful responses")."""
-        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model}
+        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model, **self._replica}
         self.prompt_tokens.add(prompt_tokens, attrs)
         self.generation_tokens.add(completion_tokens, attrs)
         if error_type is None:

@@ -4,8 +4,8 @@
   :func:`kvroute.grpc_errors.error_boundary`): a refused request (``kvroute.prompt`` or the
   engine's ``InvalidRequestError``) is INVALID_ARGUMENT with ``"{field}: {reason}"``; a dead step
   loop, UNAVAILABLE; any other ``EngineError``, INTERNAL.
-- :func:`sampling_params_from_proto`: proto ``SamplingParams`` -> the engine's (values as they are:
-  range checks are ``SamplingParams.validate``'s, so the message is the engine's).
+- :func:`sampling_params_from_proto` (:mod:`kvroute.sampling`'s, the router's too): proto
+  ``SamplingParams`` -> ``SamplingParams``.
 - :func:`delta_response` / :func:`final_response`: an engine ``RequestOutput`` -> a stream message.
 - :func:`load_response`: a load sample -> ``GetLoad``'s answer.
 """
@@ -19,11 +19,12 @@ import grpc
 
 from kvroute.grpc_errors import error_boundary
 from kvroute.prompt import InvalidRequestError
+from kvroute.sampling import sampling_params_from_proto
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from replica.engine.async_engine import EngineDeadError
 from replica.engine.errors import EngineError
-from replica.engine.params import FinishReason, SamplingParams
+from replica.engine.params import FinishReason
 from replica.telemetry import EngineSample
 
 GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -54,20 +55,6 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 boundary = error_boundary(classify_error)
 """The decorator of every replica servicer method."""
-
-
-def sampling_params_from_proto(msg: gen_pb.SamplingParams | None) -> SamplingParams:
-    """The engine's ``SamplingParams`` of a proto message (None: the defaults); unset optional
-    fields keep the defaults."""
-    if msg is None:
-        return SamplingParams()
-    kwargs: dict[str, Any] = {}
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
-        if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    return SamplingParams(
-        **kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos
-    )
 
 
 def delta_response(request_id: str, out: Any) -> gen_pb.GenerateResponse:
@@ -101,7 +88,7 @@ def load_response(replica_id: str, s: EngineSample, waiting: int) -> rep_pb.Load
         kv_usage=s.kv_usage, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
         queued_prefill_tokens=s.queued_prefill_tokens, prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits, prefix_cache_cpu_hits=s.prefix_cache_cpu_hits,
-        preemptions=s.preemptions,
+        preemptions=s.preemptions, recomputed_tokens=s.recomputed_tokens,
     )
 
 

@@ -25,7 +25,8 @@ while the streams are read to their end is a gap too (entries lost at the tail).
 Bootstrap (start, and after every reconnect): poll heartbeats, load each routable replica's snapshot
 (when it is newer than what is known), then read every stream from the start of what is retained,
 skipping entries at or below each replica's seq (and entries of replicas that no longer heartbeat).
-A heartbeat key that is gone expires the replica (``registry.expire``; its entries are dropped),
+A heartbeat key that is gone expires the replica (``registry.expire``; its entries are dropped,
+and its late entries of that epoch are ignored, not followed into a gap: ``IndexFeed.expire``),
 except in the first ``expiry_grace`` seconds after a reconnect, while replicas re-register.
 
 The index only holds replicas that are routable, or not yet seen in a heartbeat: the registry's
@@ -40,6 +41,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -88,6 +90,7 @@ class EventConsumer:
         block_ms: XREAD BLOCK timeout; also how late ``stop`` can be.
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
+        redis_options: more ``from_url`` keyword arguments (AUTH, TLS: ``kvroute.redis_auth``).
 
     Raises:
         ValueError: a non-positive ``heartbeat_poll_interval`` or ``block_ms``.
@@ -118,10 +121,12 @@ class EventConsumer:
         block_ms: int = 100,
         expiry_grace: float = 3.0,
         index_lock: threading.Lock | None = None,
+        redis_options: Mapping[str, Any] | None = None,
     ):
         if heartbeat_poll_interval <= 0 or block_ms < 1:
             raise ValueError("heartbeat_poll_interval, block_ms: must be > 0")
         self.redis_url = redis_url
+        self._redis_options = dict(redis_options or {})  # may hold the password: never logged
         self.layout = layout
         self.index = index
         self.registry = registry
@@ -222,6 +227,7 @@ class EventConsumer:
         try:
             client = redis.Redis.from_url(
                 self.redis_url,
+                **self._redis_options,
                 socket_connect_timeout=1.0,
                 socket_timeout=self.block_ms / 1000 + 5.0,
                 retry=Retry(NoBackoff(), 0),
@@ -342,10 +348,11 @@ class EventConsumer:
         if now >= self._grace_until:
             for info in self.registry.all():
                 if info.replica_id not in present:
-                    self.registry.expire(info.replica_id)  # on_removed drops its entries
+                    self.feed.expire(info.replica_id, info.epoch)  # its late entries are ignored now
+                    self.registry.expire(info.replica_id)
             for rid in self.feed.replicas():
                 if rid not in present:  # entries seen, heartbeat never (or no longer) seen
-                    self._removed.append(rid)
+                    self.feed.expire(rid)
         self._handle_removals()
         followed = set(self.feed.replicas())
         for rid, info in present.items():

@@ -38,6 +38,7 @@ log = logging.getLogger("router.consumer")  # one logger for the consumer, which
 
 SNAPSHOT_POLL_S = 0.05  # how often an open gap re-reads the snapshot key
 REQUEST_EVERY_S = 1.0  # how often an open gap re-publishes its snapshot request
+MAX_GONE = 4096  # expired replicas remembered (their late entries are ignored)
 
 Batch = events_pb2.KVEventBatch
 
@@ -76,6 +77,7 @@ class IndexFeed:
         self.registry = registry
         self.index_lock = index_lock
         self._replicas: dict[str, _Replica] = {}
+        self._gone: dict[str, int] = {}  # expired replica -> its last epoch (insertion order: oldest first)
         self.events_applied = 0
         self.blocks_applied = 0
         self.batches_applied = 0
@@ -98,7 +100,20 @@ class IndexFeed:
         with self.index_lock:
             self.index.remove_replica(rid)
 
+    def expire(self, rid: str, epoch: int | None = None) -> None:
+        """``rid``'s heartbeat is gone (``epoch``: its last heartbeat's, if known): :meth:`drop` it,
+        and ignore its entries of that epoch or older (stale) until it heartbeats again or starts a
+        later epoch. Its snapshot key has no TTL: re-following a dead replica from a late entry
+        would re-index that snapshot, count a gap and publish snapshot requests for nobody."""
+        rep = self._replicas.get(rid)
+        known = [e for e in (epoch, rep.stream.epoch if rep is not None else None) if e is not None]
+        self._gone[rid] = max(known, default=-1)
+        while len(self._gone) > MAX_GONE:  # ids that never come back: forget the oldest
+            del self._gone[next(iter(self._gone))]
+        self.drop(rid)
+
     def _follow(self, rid: str, epoch: int) -> _Replica:
+        self._gone.pop(rid, None)
         rep = self._replicas[rid] = _Replica(epoch)
         return rep
 
@@ -113,6 +128,9 @@ class IndexFeed:
                 return
             if info is None and history:
                 return  # history of a replica that was gone before this bootstrap
+            if info is None and epoch <= self._gone.get(rid, epoch - 1):
+                self.stale_batches += 1  # a late entry of an expired replica
+                return
             rep = self._follow(rid, epoch)
         stream = rep.stream
         if stream.is_stale(epoch, seq):  # checked first: a stale entry is not worth decoding

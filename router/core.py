@@ -32,6 +32,7 @@ class Decision:
     predicted_cached_tokens: int = 0
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds: hash, lookup, score, total
+    speculative_until: float | None = None  # set by Router.commit: the credit Router.withdraw takes back
 
     def score_of(self, replica_id: str) -> Scored | None:
         return next((s for s in self.scored if s.candidate.replica_id == replica_id), None)
@@ -113,10 +114,27 @@ class Router:
         return f"no replica is routable ({why})"
 
     def commit(self, decision: Decision) -> Ticket:
-        """Account the picked replica's load and credit it speculatively with the prompt's blocks."""
+        """Account the picked replica's load and credit it speculatively with the prompt's blocks.
+
+        A replica removed since ``decide`` (expired, or no longer routable) gets no credit: the
+        consumer has dropped it from the index, and a speculative entry would bring it back for
+        good (its bit and maps). The registry is read under ``index_lock`` because the consumer
+        changes the registry before it drops the index entries under that lock.
+        """
         assert decision.picked is not None
         rid = decision.picked.replica_id
         with self.index_lock:
-            self.index.add_speculative(rid, decision.block_hashes)
+            info = self.registry.get(rid)
+            if info is not None and info.routable:
+                decision.speculative_until = self.index.add_speculative(rid, decision.block_hashes)
         uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
         return self.load.begin(rid, uncached)
+
+    def withdraw(self, decision: Decision) -> None:
+        """Take back a committed decision's speculative entries: the replica refused the request
+        or failed before its first token, so it will not store the blocks it was credited with."""
+        if decision.picked is None or decision.speculative_until is None:
+            return
+        with self.index_lock:
+            self.index.remove_speculative(decision.picked.replica_id, decision.block_hashes, decision.speculative_until)
+        decision.speculative_until = None

@@ -15,7 +15,10 @@ KubernetesDiscovery keeps ``slice name -> EndpointSlice`` for the slices labelle
 ``kubernetes.io/service-name=<service>`` from a list and then a watch from the list's
 resourceVersion; an expired watch (410 Gone) relists, a broken connection resumes the watch from
 the last resourceVersion seen after a backoff. An endpoint counts when its ``ready`` condition is
-true or unset (the API's rule), with the port named ``port_name`` in its slice (or ``port``).
+true or unset (the API's rule) and it is not ``terminating`` (a draining pod may still be
+``serving`` the calls it has, but gets no new ones), with the port named ``port_name`` in its slice
+(or ``port``). The API server is the in-cluster one (the pod's service account) or, outside a
+cluster, the one the kubeconfig names (``KUBECONFIG``, read by the kubernetes client itself).
 """
 
 from __future__ import annotations
@@ -199,7 +202,10 @@ class KubernetesDiscovery(Discovery):
         from kubernetes import client, config  # only routers that use Kubernetes discovery pay for it
 
         if self._api_client is None:
-            config.load_incluster_config()
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:  # not in a pod: the kubeconfig (KUBECONFIG or ~/.kube/config)
+                config.load_kube_config()
             self._api_client = client.ApiClient()
         self._api = client.DiscoveryV1Api(self._api_client)
         self._thread = threading.Thread(target=self._run, name="k8s-discovery", daemon=True)
@@ -308,9 +314,9 @@ class KubernetesDiscovery(Discovery):
         v6 = s.address_type == "IPv6"
         out = set()
         for ep in s.endpoints or ():
-            ready = ep.conditions.ready if ep.conditions is not None else None
-            if ready is False:  # unset means ready (the EndpointConditions contract)
-                continue
+            cond = ep.conditions
+            if cond is not None and (cond.ready is False or cond.terminating is True):
+                continue  # unset ready means ready (the EndpointConditions contract)
             for a in ep.addresses or ():
                 out.add(f"[{a}]:{port}" if v6 else f"{a}:{port}")
         return out

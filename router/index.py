@@ -170,10 +170,15 @@ class BlockIndex:
             self.add(replica, hashes, medium)
 
     # -- speculative entries -----------------------------------------------------------------------
-    def add_speculative(self, replica: str, hashes: Sequence[int]) -> None:
-        """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``."""
+    def add_speculative(self, replica: str, hashes: Sequence[int]) -> float | None:
+        """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``.
+
+        Returns:
+            The credit's expiry (the clock's seconds), to pass to :meth:`remove_speculative`; None
+            when nothing was credited (speculative entries off, or no hash).
+        """
         if self.speculative_ttl <= 0 or not hashes:
-            return
+            return None
         bit = self._bit(replica)
         until = self._clock() + self.speculative_ttl
         spec, spec_until = self._spec_mask, self._spec_until
@@ -181,22 +186,39 @@ class BlockIndex:
             spec[h] = spec.get(h, 0) | bit
             spec_until[(h, bit)] = until
         self._spec_queue.append((until, bit, hashes))
+        return until
+
+    def remove_speculative(self, replica: str, hashes: Sequence[int], until: float | None) -> None:
+        """Withdraw the credit :meth:`add_speculative` returned ``until`` for (the request was
+        refused, or failed before its first token: its blocks will never be stored). An entry a
+        later request has credited again (another expiry) stays."""
+        bit = self._bits.get(replica)
+        if bit is None or until is None:
+            return
+        spec_until = self._spec_until
+        for h in hashes:
+            if spec_until.get((h, bit)) == until:
+                self._drop_speculative(h, bit)
 
     def expire_speculative(self) -> None:
         now = self._clock()
-        q, spec, spec_until = self._spec_queue, self._spec_mask, self._spec_until
+        q, spec_until = self._spec_queue, self._spec_until
         while q and q[0][0] <= now:
             _, bit, hashes = q.popleft()
             for h in hashes:
-                key = (h, bit)
-                until = spec_until.get(key)
+                until = spec_until.get((h, bit))
                 if until is not None and until <= now:
-                    del spec_until[key]
-                    v = spec.get(h, 0) & ~bit
-                    if v:
-                        spec[h] = v
-                    else:
-                        spec.pop(h, None)
+                    self._drop_speculative(h, bit)
+
+    def _drop_speculative(self, h: int, bit: int) -> None:
+        """Drop the speculative entry (h, replica bit), which exists."""
+        del self._spec_until[(h, bit)]
+        spec = self._spec_mask
+        v = spec.get(h, 0) & ~bit
+        if v:
+            spec[h] = v
+        else:
+            spec.pop(h, None)
 
     # -- lookup -----------------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, Match]:

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -115,8 +116,11 @@ class RedisLoadSync:
     def __init__(
         self, redis_url: str, layout: RedisLayout, router_id: str, tracker: LoadTracker,
         interval: float = 0.2, ttl: float = 3.0,
+        redis_options: Mapping[str, Any] | None = None,
     ):
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=1)
+        self._redis = redis.Redis.from_url(
+            redis_url, **(redis_options or {}), socket_timeout=2, socket_connect_timeout=1
+        )
         self.layout = layout
         self.router_id = router_id
         self.tracker = tracker

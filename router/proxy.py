@@ -5,6 +5,8 @@ the replica channels in router.channels.
 One request through ``GenerationService.GenerateStream`` (``Generate`` is the same, concatenated)::
 
     tokenize (text | chat | token_ids; INVALID_ARGUMENT naming the field)
+      └▶ validate (kvroute.sampling.validate_request, the replica's check, against the replicas'
+         model limits: router.model_limits; INVALID_ARGUMENT before anything is routed)
       └▶ decide (hash + lookup + score; UNAVAILABLE with the reason when nothing is routable)
           └▶ commit (speculative index entries + in-flight load, counted now, not at dispatch)
               └▶ ReplicaService.GenerateStream(token ids) on the pick's cached channel,
@@ -18,7 +20,9 @@ One request through ``GenerationService.GenerateStream`` (``Generate`` is the sa
 
 Failures. Before the first delta, an UNAVAILABLE from the replica (dead address, draining, loading)
 is retried on another replica -- the failed ones excluded -- up to ``max_retries`` times; after the
-first delta nothing is retried (the client has output it cannot take back). Every other status
+first delta nothing is retried (the client has output it cannot take back). An attempt that ends
+before its first delta (refused, failed, cancelled) withdraws its speculative index entries: the
+replica will not store those blocks. Every other status
 (RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) is the replica's, passed through unchanged. A client
 cancel or deadline expiry cancels the handler, whose ``finally`` cancels the upstream call: the
 replica aborts the request and frees its blocks. Statuses are decided in one place,
@@ -53,6 +57,7 @@ import grpc
 from kvroute.grpc_errors import call_outcome, deadline_expired
 from kvroute.prompt import InvalidRequestError, PromptTokenizer
 from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
+from kvroute.sampling import sampling_params_from_proto, validate_request
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -60,6 +65,7 @@ from kvroute.v1 import router_pb2 as router_pb
 from router.channels import ReplicaChannels
 from router.core import Decision, Router
 from router.load import Ticket
+from router.model_limits import ModelLimits
 from router.scoring import POLICY_NAMES, Policy
 from router.telemetry import (
     ATTR_ATTEMPTS,
@@ -130,6 +136,8 @@ class Proxy:
         self.metrics = metrics
         self.tracer = tracer
         self.channels = ReplicaChannels()
+        self.limits = ModelLimits(tokenizer.vocab_size, tokenizer.max_model_len)
+        self._tasks: set[asyncio.Task] = set()  # GetModelInfo calls that feed ``limits``
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
 
     # -- decisions ---------------------------------------------------------------------------------
@@ -160,7 +168,8 @@ class Proxy:
         """Route ``request`` and yield the replica's deltas (see the module docstring).
 
         Raises:
-            InvalidRequestError: a bad prompt (before anything is routed).
+            InvalidRequestError: a bad prompt or sampling value, or a prompt the model cannot hold
+                (before anything is routed).
             NoReplicaError: no replica is routable, or every one tried failed before its first token.
             grpc.aio.AioRpcError: the replica's status, to be passed through.
         """
@@ -179,10 +188,13 @@ class Proxy:
         error: tuple[str, str] | None = None
         attempts: list[tuple[Decision, str | None]] = []  # (decision, the status it failed with)
         try:
-            ids = self.tokenizer.token_ids(request)
+            ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+            sampling = request.sampling if request.HasField("sampling") else None
+            vocab_size, max_model_len = self.limits.current
+            validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
+                             max_model_len=max_model_len, check_ids=False)
             upstream_request = rep_pb.ReplicaGenerateRequest(
-                request_id=request.request_id, token_ids=ids, cache_salt=request.cache_salt,
-                sampling=request.sampling if request.HasField("sampling") else None,
+                request_id=request.request_id, token_ids=ids, cache_salt=request.cache_salt, sampling=sampling,
             )
             exclude: list[str] = []
             failures: list[str] = []
@@ -239,6 +251,8 @@ class Proxy:
                     failures.append(f"{picked.replica_id} at {picked.address} failed: {e.code().name}: {e.details()}")
                 finally:
                     self.router.load.finish(ticket)
+                    if not started:  # refused or failed before prefill: its blocks will not be stored
+                        self.router.withdraw(decision)
                     if call is not None and not call.done():
                         call.cancel()  # RST_STREAM: the replica aborts the request and frees its blocks
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is
@@ -260,7 +274,13 @@ class Proxy:
         now = time.monotonic()
         if now >= self._next_prune:
             self._next_prune = now + _PRUNE_EVERY_S
-            self.channels.prune({i.address for i in self.router.registry.all()})
+            live = {i.address for i in self.router.registry.all()}
+            self.channels.prune(live)
+            self.limits.forget(live)
+        for address in self.limits.missing(i.address for i in self.router.registry.routable()):
+            task = asyncio.get_running_loop().create_task(self._learn_limits(address))
+            self._tasks.add(task)  # a reference, so that the task is not collected mid-call
+            task.add_done_callback(self._tasks.discard)
         usage = final.usage if final is not None and final.HasField("usage") else None
         if self.metrics is not None:
             for d, failed_with in attempts:
@@ -295,6 +315,14 @@ class Proxy:
                     ) -> gen_pb.GenerateResponse:
         """``stream`` concatenated into one response (all token ids, the full text, final fields)."""
         return await concat_deltas(self.stream(request, context, method=method))
+
+    async def _learn_limits(self, address: str) -> None:
+        try:
+            info = await self.channels.stub(address).GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_MODEL_INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.debug("GetModelInfo from %s failed: %s", address, e.code().name)
+            info = None
+        self.limits.learn(address, info)
 
     async def model_info(self) -> gen_pb.ModelInfo:
         """A routable replica's ModelInfo, else what the router knows from the model folder."""
@@ -348,6 +376,8 @@ class Proxy:
         return resp
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self.channels.close()
 
 

@@ -14,6 +14,8 @@ Contract:
 - Discovery: with mode ``"redis"`` every heartbeating replica is discovered; with ``"static"`` or
   ``"kubernetes"`` a replica is discovered when the address in its heartbeat is in the last set
   given to ``set_discovered`` (empty until the first call).
+- An id whose heartbeat address changes is logged at WARNING and counted in ``address_changes``
+  (a restart elsewhere changes it once; two replicas sharing an id flip it back and forth).
 - ``on_removed(replica_id)`` listeners run whenever a replica stops being routable or is expired,
   so the index never keeps entries of a replica that gets no traffic. They run on the thread that
   caused the change, outside the registry's lock.
@@ -93,6 +95,7 @@ class ReplicaRegistry:
         self._incompatible: dict[str, str] = {}  # replica_id -> why its hash triple is refused
         self._logged: dict[str, str] = {}  # replica_id -> the incompatibility last logged at ERROR
         self._routable: tuple[ReplicaInfo, ...] = ()
+        self.address_changes = 0  # heartbeats whose address differs from the id's previous one (a metric)
 
     # -- listeners -------------------------------------------------------------------------------
     def add_listener(self, on_removed: Callable[[str], None]) -> None:
@@ -146,8 +149,18 @@ class ReplicaRegistry:
             self._rebuild_routable()
             removed = [replica_id] if old is not None and old.routable and not info.routable else []
             to_log = self._take_log(replica_id, incompatible)
+            flipped = old is not None and old.address != info.address
+            if flipped:
+                self.address_changes += 1
         if to_log:
             log.error("replica %s (%s) gets no traffic: %s", replica_id, info.address, to_log)
+        if flipped:
+            assert old is not None
+            log.warning(
+                "replica %s: address changed from %s (epoch %d) to %s (epoch %d); if this repeats, two"
+                " replicas heartbeat under one id in this namespace (two clusters on one Redis namespace?)",
+                replica_id, old.address, old.epoch, info.address, info.epoch,
+            )
         self._notify(removed)
         return info
 

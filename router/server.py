@@ -28,14 +28,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
 from kvroute.model_folder import ModelLoadError
 from kvroute.openai_http import HttpServer
 from kvroute.process import BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import PromptTokenizer, resolve_model_dir
+from kvroute.redis_auth import redis_auth
 from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import Telemetry
-from kvroute.v1 import generation_pb2_grpc, router_pb2_grpc
+from kvroute.v1 import generation_pb2, router_pb2
 from router import index as index_module
 from router.consumer import EventConsumer
 from router.core import Router
@@ -139,6 +141,7 @@ class RouterServer:
         hasher = BlockHasher(s.hash_algorithm, s.hash_seed, s.block_size)
         layout = RedisLayout(s.namespace, s.event_shards)
         index_lock = threading.Lock()
+        redis_options = redis_auth(s.redis_password, s.redis_ca_file)
         self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
         self.registry = ReplicaRegistry(hasher.identity, s.discovery)
         self.discovery = make_discovery(s, self.registry)
@@ -147,6 +150,7 @@ class RouterServer:
         self.consumer = EventConsumer(
             s.redis_url, layout, self.index, self.registry,
             heartbeat_poll_interval=s.heartbeat_poll_interval, index_lock=index_lock,
+            redis_options=redis_options,
         )
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -157,7 +161,8 @@ class RouterServer:
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
-        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval)
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
+                                       redis_options=redis_options)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(
@@ -174,13 +179,13 @@ class RouterServer:
             app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
             self.http_port = self._http.port
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.proxy), server)
-        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.proxy), server)
+        add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
+        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy))
         # The endpoint picker on the same port: an InferencePool's endpointPickerRef (or Envoy's
         # ext_proc cluster) names the router's gRPC Service port.
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks), server
-        )
+        # (Envoy's generated registration: the picker answers every message itself, no error boundary.)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks),
+                                                              server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)

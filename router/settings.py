@@ -20,7 +20,12 @@ class RouterSettings:
     router_id: str = setting("", "unique id among routers (default hostname-port)")
     http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
     metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
+    metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding the replicas' events and heartbeats")
+    redis_password: str = setting(
+        "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
+    )
+    redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
     discovery: str = setting("redis", "how replicas are found", choices=("static", "redis", "kubernetes"))

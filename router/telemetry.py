@@ -22,11 +22,13 @@ OpenTelemetry name -> Prometheus name (as the Prometheus exporter writes them) -
 ``kvroute.router.events.snapshot_requests``    ``kvroute_router_events_snapshot_requests_total``         (none)
 ``kvroute.router.events.epoch_changes``        ``kvroute_router_events_epoch_changes_total``             (none)
 ``kvroute.router.replicas`` {``kvroute.state``}  ``kvroute_router_replicas``                             (none)
+``kvroute.router.replicas.address_changes``    ``kvroute_router_replicas_address_changes_total``         (none)
 ``kvroute.router.prediction.ratio``            ``kvroute_router_prediction_ratio`` (actual/predicted)    (none)
 ``kvroute.router.prediction.over``             ``kvroute_router_prediction_over_total``                  (none)
 ``kvroute.router.prediction.predicted_tokens`` ``kvroute_router_prediction_predicted_tokens_total``      (none)
 ``kvroute.router.prediction.cached_tokens``    ``kvroute_router_prediction_cached_tokens_total``         ``vllm:prefix_cache_hits`` (reported)
 ``gen_ai.server.time_to_first_token``          ``gen_ai_server_time_to_first_token_seconds``             ``vllm:time_to_first_token_seconds``
+``gen_ai.server.time_per_output_token``        ``gen_ai_server_time_per_output_token_seconds``           ``vllm:time_per_output_token_seconds``
 ``gen_ai.server.request.duration``             ``gen_ai_server_request_duration_seconds``                ``vllm:e2e_request_latency_seconds``
 ``gen_ai.client.token.usage``                  ``gen_ai_client_token_usage`` {``gen_ai.token.type``}     ``vllm:prompt_tokens``,
                                                                                                          ``vllm:generation_tokens``
@@ -38,7 +40,8 @@ when something was predicted; ``over`` counts calls where the replica hit less t
 stale or speculative index entry); the two token counters give the aggregate ratio
 (``sum(cached) / sum(predicted)``).
 
-The ``gen_ai.*`` histograms are measured at the router (arrival -> first delta, arrival -> end),
+The ``gen_ai.*`` histograms are measured at the router (arrival -> first delta, arrival -> end, and
+the time per output token between them),
 with the GenAI semantic conventions' buckets and attributes (``gen_ai.operation.name``,
 ``gen_ai.request.model``, ``error.type`` on failures).
 
@@ -65,10 +68,12 @@ from kvroute.telemetry import (
     ATTR_MODEL,
     ATTR_OPERATION,
     ATTR_OUTPUT_TOKENS,
+    ATTR_REPLICA,
     ATTR_REQUEST_ID,
     ATTR_TOKEN_TYPE,
     REQUEST_DURATION_BUCKETS,
     TOKEN_USAGE_BUCKETS,
+    TPOT_BUCKETS,
     TTFT_BUCKETS,
     set_span_error,
     start_server_span,
@@ -78,7 +83,6 @@ from kvroute.telemetry import (
 OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0, 4.0)
 
-ATTR_REPLICA = "kvroute.replica_id"
 ATTR_POLICY = "kvroute.policy"
 ATTR_OUTCOME = "kvroute.outcome"
 ATTR_STAGE = "kvroute.stage"
@@ -130,6 +134,10 @@ class RouterMetrics:
         self.ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s", explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
             description="Time from the request's arrival at the router to its first token, for successful responses",
+        )
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s", explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+            description="Time per output token after the first, at the router, for successful responses",
         )
         self.duration = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s", explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
@@ -189,6 +197,16 @@ class RouterMetrics:
             description="Heartbeating replicas: routable, not routable, and with a refused hash triple",
         )
 
+        def address_changes(_options: CallbackOptions) -> Iterable[Observation]:
+            r = self._registry
+            return [] if r is None else [Observation(r.address_changes)]
+
+        meter.create_observable_counter(
+            "kvroute.router.replicas.address_changes", [address_changes], unit="{change}",
+            description="Heartbeats whose address differs from their replica id's previous one (a flip back"
+            " and forth: two replicas share one id in one namespace)",
+        )
+
     def record_decision(self, decision: Any, outcome: str) -> None:
         """One decision of the proxy (not Score): its pick, outcome and stage timings."""
         replica = decision.picked.replica_id if decision.picked is not None else ""
@@ -220,7 +238,9 @@ class RouterMetrics:
         completion_tokens: int | None,
         error_type: str | None,
     ) -> None:
-        """One ended call (refused ones too). TTFT only for successful calls, as the spec says."""
+        """One ended call (refused ones too). TTFT and TPOT only for successful calls, as the spec
+        says; TPOT = (duration - TTFT) / (completion tokens - 1), for calls with 2 tokens or more
+        (the replica's definition, measured here from the router's clock)."""
         attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model}
         if error_type is not None:
             self.duration.record(duration_s, {**attrs, ATTR_ERROR_TYPE: error_type})
@@ -228,6 +248,8 @@ class RouterMetrics:
             self.duration.record(duration_s, attrs)
             if ttft_s is not None:
                 self.ttft.record(ttft_s, attrs)
+                if completion_tokens is not None and completion_tokens > 1:
+                    self.tpot.record((duration_s - ttft_s) / (completion_tokens - 1), attrs)
         if prompt_tokens is not None:
             self.token_usage.record(prompt_tokens, {**attrs, ATTR_TOKEN_TYPE: "input"})
         if completion_tokens is not None:

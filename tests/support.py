@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -71,6 +72,22 @@ def concurrent_stream_outcomes(target: str, n: int, max_tokens: int = 4) -> dict
     return {k: outcomes.count(k) for k in set(outcomes)}
 
 
+def scrape_metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET a Prometheus endpoint (``http://host:port/metrics``) -> {sample name: [(labels, value), ...]}
+    (sample names as exposed: ``_total``, ``_bucket``, ``_count`` and ``_sum`` included)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
 NUM_SPECIAL = 5  # the default model's special tokens are its last 5 ids: never in random prompts
 
 
@@ -91,6 +108,19 @@ def make_cpu_engine(model_dir, *, num_blocks: int, block_size: int = 16, **overr
     cfg = dict(device="cpu", block_size=block_size, num_blocks=num_blocks, torch_threads=1)
     cfg.update(overrides)
     return LLMEngine(model_dir, EngineConfig(**cfg))
+
+
+@contextlib.contextmanager
+def thread_replica(model_dir, replica_id: str, num_blocks: int = 64) -> Iterator:
+    """A BackgroundReplica on loopback serving ``model_dir`` with its engine on a thread (no engine
+    process, no Redis): for tests that only need something real to answer gRPC."""
+    from replica.server import BackgroundReplica
+    from replica.settings import ReplicaSettings
+
+    settings = ReplicaSettings(host="127.0.0.1", port=0, model=str(model_dir), num_blocks=num_blocks,
+                               torch_threads=1, replica_id=replica_id, engine_process=False)
+    with BackgroundReplica(settings) as r:
+        yield r
 
 
 def started_stream(gen, request, n: int, timeout: float | None = None):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvroute.v1 import generation_pb2 as kvroute_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvroute/v1/replica.proto\x12\nkvroute.v1\x1a\x1bkvroute/v1/generation.proto\"\x81\x01\n\x16ReplicaGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x83\x02\n\x04Load\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1d\n\x15prefix_cache_cpu_hits\x18\n \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\"\x18\n\x16RequestSnapshotRequest\"&\n\x17RequestSnapshotResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x32\xcf\x03\n\x0eReplicaService\x12L\n\x08Generate\x12\".kvroute.v1.ReplicaGenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\".kvroute.v1.ReplicaGenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.kvroute.v1.GetLoadRequest\x1a\x10.kvroute.v1.Load\x12\x46\n\x0cGetModelInfo\x12\x1f.kvroute.v1.GetModelInfoRequest\x1a\x15.kvroute.v1.ModelInfo\x12Z\n\x0fRequestSnapshot\x12\".kvroute.v1.RequestSnapshotRequest\x1a#.kvroute.v1.RequestSnapshotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvroute/v1/replica.proto\x12\nkvroute.v1\x1a\x1bkvroute/v1/generation.proto\"\x81\x01\n\x16ReplicaGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x9e\x02\n\x04Load\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1d\n\x15prefix_cache_cpu_hits\x18\n \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x0c \x01(\x04\"\x18\n\x16RequestSnapshotRequest\"&\n\x17RequestSnapshotResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x32\xcf\x03\n\x0eReplicaService\x12L\n\x08Generate\x12\".kvroute.v1.ReplicaGenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\".kvroute.v1.ReplicaGenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.kvroute.v1.GetLoadRequest\x1a\x10.kvroute.v1.Load\x12\x46\n\x0cGetModelInfo\x12\x1f.kvroute.v1.GetModelInfoRequest\x1a\x15.kvroute.v1.ModelInfo\x12Z\n\x0fRequestSnapshot\x12\".kvroute.v1.RequestSnapshotRequest\x1a#.kvroute.v1.RequestSnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,11 +41,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=269
   _globals['_GETLOADREQUEST']._serialized_end=285
   _globals['_LOAD']._serialized_start=288
-  _globals['_LOAD']._serialized_end=547
-  _globals['_REQUESTSNAPSHOTREQUEST']._serialized_start=549
-  _globals['_REQUESTSNAPSHOTREQUEST']._serialized_end=573
-  _globals['_REQUESTSNAPSHOTRESPONSE']._serialized_start=575
-  _globals['_REQUESTSNAPSHOTRESPONSE']._serialized_end=613
-  _globals['_REPLICASERVICE']._serialized_start=616
-  _globals['_REPLICASERVICE']._serialized_end=1079
+  _globals['_LOAD']._serialized_end=574
+  _globals['_REQUESTSNAPSHOTREQUEST']._serialized_start=576
+  _globals['_REQUESTSNAPSHOTREQUEST']._serialized_end=600
+  _globals['_REQUESTSNAPSHOTRESPONSE']._serialized_start=602
+  _globals['_REQUESTSNAPSHOTRESPONSE']._serialized_end=640
+  _globals['_REPLICASERVICE']._serialized_start=643
+  _globals['_REPLICASERVICE']._serialized_end=1106
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("replica_id", "running", "waiting", "kv_usage", "num_blocks", "free_blocks", "queued_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cpu_hits", "preemptions")
+    __slots__ = ("replica_id", "running", "waiting", "kv_usage", "num_blocks", "free_blocks", "queued_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cpu_hits", "preemptions", "recomputed_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Load(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_CPU_HITS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     running: int
     waiting: int
@@ -59,7 +60,8 @@ class Load(_message.Message):
     prefix_cache_hits: int
     prefix_cache_cpu_hits: int
     preemptions: int
-    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_cpu_hits: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    recomputed_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_cpu_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestSnapshotRequest(_message.Message):
     __slots__ = ()

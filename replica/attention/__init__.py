@@ -7,10 +7,12 @@ Guarantees: every backend writes exactly the slots of ``slot_mapping`` that are 
 returns causal attention of each request's query tokens (its last ``query_len`` positions) over
 its first ``seq_len`` positions; padded rows come back as zeros. Backends subclass
 ``AttentionBackend``, whose ``forward`` writes the cache and then calls the backend's ``_attend``:
-``torch`` (CPU and CUDA, the reference) and ``flash_attn`` (CUDA, imported lazily);
-``select_backend`` picks one.
+``torch`` (CPU and CUDA, the reference), ``flash_attn`` (CUDA, imported lazily) and ``triton``
+(CUDA, any block size; triton imported lazily); ``choose_backend`` is the documented choice between
+them and ``select_backend`` / ``resolve_backend`` build it.
 
-Imports: torch and numpy (a flash-attention build lazily); nothing else of kvroute or the replica.
+Imports: torch and numpy (a flash-attention build and triton lazily); nothing else of kvroute or
+the replica.
 """
 
 from replica.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
@@ -23,6 +25,7 @@ from replica.attention.kv_cache import (
 )
 from replica.attention.metadata import AttentionMetadata, build_attention_metadata
 from replica.attention.torch_backend import TorchAttentionBackend
+from replica.attention.triton_backend import TritonAttentionBackend
 
 __all__ = [
     "BACKEND_NAMES",
@@ -30,6 +33,7 @@ __all__ = [
     "AttentionMetadata",
     "FlashAttnBackend",
     "TorchAttentionBackend",
+    "TritonAttentionBackend",
     "allocate_kv_caches",
     "build_attention_metadata",
     "flash_attn_available",

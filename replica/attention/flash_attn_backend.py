@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from replica.attention.backend import AttentionBackend
+from replica.attention.backend import AttentionBackend, FlashBuild
 from replica.attention.metadata import AttentionMetadata
 
 # (module, flavour, block size multiple), in order of preference.
@@ -30,41 +30,52 @@ _CANDIDATES: tuple[tuple[str, str, int], ...] = (
 )
 
 
-def _find_flash_attn() -> tuple[Callable[..., Any], str, int] | None:
-    for module_name, flavour, multiple in _CANDIDATES:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # ImportError, or a build whose CUDA libraries don't load
-            continue
-        func = getattr(module, "flash_attn_varlen_func", None)
-        if func is not None:
-            return func, flavour, multiple
-    return None
+def _import_build(module_name: str) -> Callable[..., Any] | None:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # ImportError, or a build whose CUDA libraries don't load
+        return None
+    return getattr(module, "flash_attn_varlen_func", None)
+
+
+def flash_attn_builds() -> tuple[FlashBuild, ...]:
+    """The flash-attention builds with ``flash_attn_varlen_func`` that import, in order of
+    preference (vLLM's fork first), each with the block size multiple its paged path needs."""
+    return tuple(FlashBuild(m, multiple) for m, _, multiple in _CANDIDATES if _import_build(m) is not None)
 
 
 def flash_attn_available() -> bool:
     """True when CUDA is usable and a flash-attention build with ``flash_attn_varlen_func`` imports."""
-    return torch.cuda.is_available() and _find_flash_attn() is not None
+    return torch.cuda.is_available() and bool(flash_attn_builds())
 
 
 class FlashAttnBackend(AttentionBackend):
     """Paged attention through ``flash_attn_varlen_func`` with ``block_table``.
 
-    CUDA only, fp16/bf16 only (the kernel's constraint). Raises ``ImportError`` at construction
-    when no build is importable, ``ValueError`` at ``forward`` for an unsupported block size.
+    CUDA only, fp16/bf16 only (the kernel's constraint). ``module``: the build to use (one of
+    ``flash_attn_builds()``' modules); None = the first importable one.
+
+    Raises:
+        ImportError: at construction, when no build (or not ``module``) is importable.
+        ValueError: at ``forward``, for a block size the build cannot page.
     """
 
     name = "flash_attn"
 
-    def __init__(self) -> None:
-        found = _find_flash_attn()
-        if found is None:
-            raise ImportError(
-                "no flash-attention build is importable (tried "
-                + ", ".join(m for m, _, _ in _CANDIDATES)
-                + "); install the 'gpu' extra or use the 'torch' attention backend"
-            )
-        self._varlen, self._flavour, self._block_multiple = found
+    def __init__(self, module: str | None = None) -> None:
+        for module_name, flavour, multiple in _CANDIDATES:
+            if module is not None and module_name != module:
+                continue
+            varlen = _import_build(module_name)
+            if varlen is not None:
+                self._varlen, self._flavour, self._block_multiple = varlen, flavour, multiple
+                self.module = module_name
+                return
+        tried = module or ", ".join(m for m, _, _ in _CANDIDATES)
+        raise ImportError(
+            f"no flash-attention build is importable (tried {tried}); install the 'gpu' extra or use the "
+            "'triton' or 'torch' attention backend"
+        )
 
     def supports_block_size(self, block_size: int) -> bool:
         """Whether the installed kernel accepts a paged cache with this block size."""
@@ -75,7 +86,7 @@ class FlashAttnBackend(AttentionBackend):
         if not self.supports_block_size(block_size):
             raise ValueError(
                 f"this flash-attention build needs block_size to be a multiple of {self._block_multiple}, "
-                f"got {block_size}; use the 'torch' attention backend"
+                f"got {block_size}; use the 'triton' attention backend"
             )
 
     def _attend(

@@ -178,3 +178,29 @@ def _padded_block_table(
     # Row-major boolean assignment fills each row's first row_lens[i] cells, in order.
     table[np.arange(max_blocks) < row_lens[:, None]] = flat
     return table, row_lens
+
+
+def cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The padded decode batch sizes (``pad_to`` values) a CUDA-graph runner captures: the ladder
+    1, 2, 4, 8, 16, 24, ... (vLLM's default: then every multiple of 8) up to the first rung that
+    holds ``max_num_seqs``. E.g. 3 -> (1, 2, 4); 20 -> (1, 2, 4, 8, 16, 24).
+
+    Raises:
+        ValueError: ``max_num_seqs`` < 1.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = []
+    for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
+        sizes.append(size)
+        if size >= max_num_seqs:
+            return tuple(sizes)
+    raise AssertionError("unreachable")
+
+
+def padded_batch_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``num_reqs``; None when none does."""
+    for size in sizes:
+        if size >= num_reqs:
+            return size
+    return None

@@ -14,8 +14,10 @@ class EngineConfig:
     """Everything the engine needs besides the model folder.
 
     KV sizing: ``num_blocks`` when set; otherwise on CUDA ``gpu_memory_utilization`` of the
-    device's free memory after the weights, minus an activation reserve; on CPU
-    ``kv_cache_memory_bytes``. See :func:`compute_num_blocks`.
+    device's memory less what others hold, the weights and the activations measured by a profiling
+    pass at ``max_num_batched_tokens``; on CPU ``kv_cache_memory_bytes``. See
+    :func:`compute_num_blocks`. ``enforce_eager``: never run decode steps as CUDA graphs (vLLM's
+    name); graphs are used on CUDA when the attention backend is graph-safe.
     """
 
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
@@ -25,7 +27,6 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 2**20
     gpu_memory_utilization: float = 0.9
-    activation_reserve_bytes: int = 512 * 2**20
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -36,6 +37,7 @@ class EngineConfig:
     cpu_offload_blocks: int = 0
     seed: int | None = 0  # the sampler's shared generator; per-request seeds override it
     torch_threads: int | None = None
+    enforce_eager: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -52,14 +54,16 @@ class EngineConfig:
 
 
 def compute_num_blocks(
-    config: EngineConfig, device: torch.device, block_bytes: int, weight_bytes: int
+    config: EngineConfig, device: torch.device, block_bytes: int, weight_bytes: int, activation_bytes: int = 0
 ) -> int:
     """Number of KV blocks (including the null block 0) that fit the memory budget.
 
-    ``num_blocks = (device_memory * gpu_memory_utilization - weights - activations) // block_bytes``
-    on CUDA (device_memory = total memory; what other processes hold is subtracted too), and
+    ``num_blocks = (device_memory * gpu_memory_utilization - used_by_others - weights -
+    activations) // block_bytes`` on CUDA (device_memory = total memory; ``used_by_others`` = what
+    the device has in use that this process's torch allocator did not allocate: other processes,
+    the CUDA context; ``activation_bytes`` from ``replica.engine.profiling``), and
     ``kv_cache_memory_bytes // block_bytes`` on CPU, where ``block_bytes = 2 * B * num_kv_heads *
-    head_dim * dtype_size * num_layers``.
+    head_dim * dtype_size * num_layers`` (DESIGN.md §3.2).
 
     Raises:
         ValueError: the budget leaves fewer than 2 blocks.
@@ -69,7 +73,7 @@ def compute_num_blocks(
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free - torch.cuda.memory_allocated(device)
-        budget = total * config.gpu_memory_utilization - used_by_others - weight_bytes - config.activation_reserve_bytes
+        budget = total * config.gpu_memory_utilization - used_by_others - weight_bytes - activation_bytes
         n = int(budget // block_bytes)
     else:
         n = int(config.kv_cache_memory_bytes // block_bytes)

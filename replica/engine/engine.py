@@ -17,10 +17,13 @@ from kvroute.hashing import BlockHasher, BlockHashKeys
 from kvroute.prompt import InvalidRequestError as PromptError
 from kvroute.prompt import text_ids
 from replica.attention import kv_cache_block_bytes
+from replica.attention.backend import resolve_backend
+from replica.attention.metadata import cuda_graph_sizes
 from replica.engine.config import EngineConfig, compute_num_blocks
 from replica.engine.detokenizer import IncrementalDetokenizer
 from replica.engine.errors import InvalidRequestError
 from replica.engine.params import FinishReason, SamplingParams, eos_token_set, validate_request
+from replica.engine.profiling import profile_activation_bytes
 from replica.engine.request import Request, RequestStatus
 from replica.engine.runner import ModelRunner
 from replica.engine.sampling import Sampler, SamplingState
@@ -92,7 +95,10 @@ class LLMEngine:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         self.model_dir = Path(model_dir)
-        loaded = load_model_folder(model_dir, device, dtype, attn_backend=config.attn_backend, block_size=config.block_size)
+        self.attn_backend, backend = resolve_backend(
+            device, config.attn_backend, block_size=config.block_size, dtype=dtype
+        )
+        loaded = load_model_folder(model_dir, device, dtype, attn_backend=backend)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
@@ -105,7 +111,14 @@ class LLMEngine:
         B = config.block_size
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         block_bytes = kv_cache_block_bytes(B, mcfg.num_key_value_heads, mcfg.head_dim, dtype, mcfg.num_hidden_layers)
-        self.num_blocks = compute_num_blocks(config, device, block_bytes, weight_bytes)
+        activation_bytes = 0
+        if device.type == "cuda" and config.num_blocks is None:
+            activation_bytes = profile_activation_bytes(
+                self.model, block_size=B, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs, dtype=dtype,
+            )  # fmt: skip
+        self.activation_bytes = activation_bytes
+        self.num_blocks = compute_num_blocks(config, device, block_bytes, weight_bytes, activation_bytes)
         kv_capacity_tokens = (self.num_blocks - 1) * B
         max_model_len = config.max_model_len or mcfg.max_model_len
         if config.max_model_len is None:
@@ -126,7 +139,11 @@ class LLMEngine:
             )
         self.max_model_len = max_model_len
         self.hasher = BlockHasher(config.hash_algorithm, config.hash_seed, B)
-        self.runner = ModelRunner(self.model, self.num_blocks, B, device, dtype, config.cpu_offload_blocks)
+        use_graphs = device.type == "cuda" and not config.enforce_eager and backend.cuda_graph_safe
+        self.runner = ModelRunner(
+            self.model, self.num_blocks, B, device, dtype, config.cpu_offload_blocks,
+            cuda_graph_sizes=cuda_graph_sizes(config.max_num_seqs) if use_graphs else (), max_model_len=max_model_len,
+        )  # fmt: skip
         self.kv = KVCacheManager(
             self.num_blocks,
             B,
@@ -170,6 +187,7 @@ class LLMEngine:
             model=model, vocab_size=self.vocab_size, max_model_len=self.max_model_len, block_size=block_size,
             num_blocks=self.num_blocks, hash_algorithm=algorithm, hash_seed_digest=seed_digest,
             eos_token_id=self.eos_token_id, extra_eos_token_ids=tuple(self.extra_eos_token_ids),
+            attn_backend=self.attn_backend.name, attn_backend_reason=self.attn_backend.reason,
         )
 
     def make_request(
@@ -186,7 +204,10 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        try:
+            max_tokens = validate_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        except PromptError as e:  # kvroute.sampling's check, raised again as the engine's own type
+            raise InvalidRequestError(e.field, e.reason) from None
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + self.extra_eos_token_ids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from replica.attention import allocate_kv_caches, build_attention_metadata
+from replica.engine.cuda_graphs import DecodeCudaGraphs
 from replica.engine.scheduler import SchedulerOutput
 from replica.model.llama import LlamaModel
 
@@ -14,7 +15,9 @@ class ModelRunner:
 
     ``execute`` builds the step's flattened input (each scheduled request's tokens
     ``[start, start + n)``), its attention metadata, runs the model and returns the logits of the
-    last position of every request whose chunk reaches the end of its tokens.
+    last position of every request whose chunk reaches the end of its tokens. With
+    ``cuda_graph_sizes`` (CUDA, a graph-safe backend) decode steps replay captured graphs
+    (``replica.engine.cuda_graphs``); ``max_model_len`` sizes their block table.
     """
 
     def __init__(
@@ -25,6 +28,8 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cpu_offload_blocks: int = 0,
+        cuda_graph_sizes: tuple[int, ...] = (),
+        max_model_len: int = 0,
     ):
         cfg = model.config
         self.model = model
@@ -42,6 +47,12 @@ class ModelRunner:
             else []
         )
         self.num_copies = 0
+        self.graphs = (
+            DecodeCudaGraphs(model, self.kv_caches, block_size, max_model_len, cuda_graph_sizes)
+            if cuda_graph_sizes
+            else None
+        )
+        self.num_graph_steps = 0
 
     def copy_block(self, direction: str, src: int, dst: int) -> None:
         """The KV manager's copy callback: ``to_cpu`` GPU block src -> CPU slot dst, ``to_gpu`` back."""
@@ -81,7 +92,11 @@ class ModelRunner:
             query_lens, seq_lens, block_tables, self.block_size, device=self.device
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+            self.num_graph_steps += 1
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
         if len(rows) == num_tokens:  # a pure decode step: every row samples, in order

@@ -107,7 +107,6 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.kv.stats.preempted_requests += 1
         self.waiting.appendleft(victim)
         return victim
 

@@ -17,7 +17,8 @@ Imports: ``kvroute`` (hashing, event types) and numpy; no torch, no network libr
 from replica.kv.block import FreeKVCacheBlockQueue, KVCacheBlock
 from replica.kv.block_pool import BlockPool, KVCacheError
 from replica.kv.cpu_pool import CpuBlockPool
-from replica.kv.manager import ComputedBlocks, KVCacheManager, KVRequest, PrefixCacheStats, SimpleKVRequest
+from replica.kv.manager import ComputedBlocks, KVCacheManager, KVRequest, SimpleKVRequest
+from replica.kv.stats import PrefixCacheStats
 
 __all__ = [
     "BlockPool",

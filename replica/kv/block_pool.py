@@ -206,13 +206,23 @@ class BlockPool:
             self._copy_fn("to_gpu", self.cpu_pool.slot(block_hash), block.block_id)
         self.cpu_pool.unpin(block_hashes)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, must_succeed: bool = False) -> bool:
         """Forget every cached digest (GPU and CPU) when no block is in use; emits AllBlocksCleared.
+
+        Args:
+            must_succeed: a refusal raises instead of returning False (warm-ups and benchmarks,
+                whose numbers would otherwise silently include a warm cache).
 
         Returns:
             False (and changes nothing) when some block is still referenced.
+
+        Raises:
+            KVCacheError: refused with ``must_succeed``; the message says how many blocks are held.
         """
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+        in_use = self.num_blocks - 1 - self.get_num_free_blocks()
+        if in_use and must_succeed:
+            raise KVCacheError(f"reset_prefix_cache: refused, {in_use} blocks are in use; finish or abort their requests first")
+        if in_use:
             return False
         for copies in self.cached_block_hash_to_block.values():
             for block in copies.values():

@@ -19,6 +19,7 @@ from kvroute.hashing import BlockHasher, BlockHashKeys
 from replica.kv.block import KVCacheBlock
 from replica.kv.block_pool import BlockPool, FreeOrder, KVCacheError
 from replica.kv.cpu_pool import CopyFn
+from replica.kv.stats import PrefixCacheStats
 
 # _check_token_ids checks ranges up to this many tokens in plain Python (see there).
 _SHORT_RANGE = 16
@@ -35,6 +36,7 @@ class KVRequest(Protocol):
     hash_keys: BlockHashKeys
     lora_name: str | None
     block_hashes: list[bytes]
+    num_preemptions: int  # > 0: a re-admission after preemption (counted apart in the stats)
 
     @property
     def num_tokens(self) -> int: ...
@@ -50,6 +52,7 @@ class SimpleKVRequest:
     hash_keys: BlockHashKeys = field(default_factory=BlockHashKeys)
     lora_name: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -78,21 +81,6 @@ class ComputedBlocks:
     @property
     def num_cpu_hit_tokens(self) -> int:
         return len(self.cpu_block_hashes) * self.block_size
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters, in tokens, counted once per admission (vLLM's prefix cache hit rate)."""
-
-    queries: int = 0
-    hits: int = 0
-    cpu_hits: int = 0  # part of ``hits`` served from the CPU tier
-    requests: int = 0
-    preempted_requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -327,10 +315,8 @@ class KVCacheManager:
 
         pool = self.block_pool
         if first:
-            self.stats.requests += 1
-            self.stats.queries += request.num_tokens
-            self.stats.hits += hit_tokens
-            self.stats.cpu_hits += computed.num_cpu_hit_tokens
+            self.stats.record(request.num_tokens, hit_tokens, computed.num_cpu_hit_tokens,
+                              preempted=request.num_preemptions > 0)
             self.req_to_blocks[rid] = req_blocks
             self.num_cached_block[rid] = len(computed.blocks)
         if computed.blocks:
@@ -386,9 +372,9 @@ class KVCacheManager:
         except KeyError:
             raise KVCacheError(f"get_block_ids: unknown request {request_id!r}") from None
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block when none is in use (emits AllBlocksCleared); False otherwise."""
-        return self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self, *, must_succeed: bool = False) -> bool:
+        """``BlockPool.reset_prefix_cache``: drop every cached block when none is in use."""
+        return self.block_pool.reset_prefix_cache(must_succeed=must_succeed)
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events since the last call, in order (a step's removals before its stores)."""

@@ -49,7 +49,7 @@ def load_model_folder(
         dtype: floating dtype of the weights, or ``"auto"`` for the config's ``torch_dtype``
             (float32 when it has none), or one of ``"float32" / "float16" / "bfloat16"``.
         attn_backend: an ``AttentionBackend``, or a name for ``select_backend``
-            (``auto`` / ``torch`` / ``flash_attn``).
+            (``auto`` / ``torch`` / ``flash_attn`` / ``triton``).
         block_size: the KV block size, so that ``auto`` only picks a backend that supports it.
 
     Raises:
@@ -113,9 +113,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def _read_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of ``files`` read by safetensors straight onto ``device`` (no host copy of the
+    model on the way to a GPU), floating ones then cast to ``dtype`` there."""
     for file in files:
         try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
+            handle = safe_open(str(file), framework="pt", device=str(device))
         except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
             raise ModelLoadError(f"{file.name} in model folder {file.parent} is not a safetensors file: {exc}",
                                  path=file) from exc  # fmt: skip
@@ -123,7 +125,7 @@ def _read_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = f.get_tensor(name)
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-                yield name, tensor.to(device=device, dtype=target_dtype)
+                yield name, tensor.to(dtype=target_dtype)
 
 
 def _resolve_dtype(dtype: torch.dtype | str, config: ModelConfig, folder: Path) -> torch.dtype:

@@ -9,13 +9,21 @@ snapshot keys (kvroute.redis_layout); without, nothing. May import ``kvroute`` a
 - :class:`RedisEventPublisher`: the Redis writer (``redis_publisher``).
 - :class:`NullEventPublisher`: publishes nothing.
 - :func:`make_publisher`: the one place that picks.
+- :func:`id_check.claim_replica_id`: at start, refuse an id a live replica elsewhere heartbeats under
+  (:class:`ReplicaIdInUseError`).
 """
 
 from __future__ import annotations
 
 from kvroute.engine_info import EngineInfo
 from kvroute.redis_layout import RedisLayout
-from replica.publisher.base import EventPublisher, NullEventPublisher, PublisherStats, SnapshotFn
+from replica.publisher.base import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherStats,
+    ReplicaIdInUseError,
+    SnapshotFn,
+)
 
 
 def make_publisher(
@@ -40,5 +48,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "EventPublisher", "NullEventPublisher", "PublisherStats", "RedisEventPublisher", "SnapshotFn", "make_publisher",
+    "EventPublisher", "NullEventPublisher", "PublisherStats", "RedisEventPublisher", "ReplicaIdInUseError", "SnapshotFn",
+    "make_publisher",
 ]

@@ -19,6 +19,12 @@ SnapshotFn = Callable[[], Mapping[str, Sequence[int]]]
 """Returns the replica's cached event hashes per medium (``KVCacheManager.cached_event_hashes``)."""
 
 
+class ReplicaIdInUseError(RuntimeError):
+    """A live replica with this replica id heartbeats from another address in the same namespace
+    (``replica.publisher.id_check``); the message names the id, both addresses, the namespace and
+    what to change."""
+
+
 @dataclass(frozen=True)
 class PublisherStats:
     """A publisher's counters at one moment.
@@ -86,4 +92,4 @@ class NullEventPublisher(EventPublisher):
         return PublisherStats()
 
 
-__all__ = ["EventPublisher", "NullEventPublisher", "PublisherStats", "SnapshotFn"]
+__all__ = ["EventPublisher", "NullEventPublisher", "PublisherStats", "ReplicaIdInUseError", "SnapshotFn"]

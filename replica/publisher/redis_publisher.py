@@ -30,7 +30,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -98,6 +99,7 @@ class RedisEventPublisher(EventPublisher):
         snapshot_interval: float = 30.0,
         buffer_size: int = 10000,
         stream_maxlen: int = 100000,
+        redis_options: Mapping[str, Any] | None = None,
         max_waiting: int = 0,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
@@ -105,6 +107,7 @@ class RedisEventPublisher(EventPublisher):
         if buffer_size < 1 or stream_maxlen < 1:
             raise ValueError("buffer_size, stream_maxlen: must be >= 1")
         self.redis_url = redis_url
+        self._redis_options = dict(redis_options or {})  # AUTH / TLS (kvroute.redis_auth); never logged
         self.layout = layout
         self.replica_id = replica_id
         self.epoch = time.time_ns() if epoch is None else int(epoch)
@@ -271,7 +274,7 @@ class RedisEventPublisher(EventPublisher):
     def _connect(self) -> bool:
         try:
             client = redis.Redis.from_url(
-                self.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
+                self.redis_url, **self._redis_options, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
             )
             client.ping()
             pubsub = client.pubsub(ignore_subscribe_messages=True)

@@ -1,5 +1,6 @@
-"""End to end: ``kvroute up`` (2 replicas, small KV, free ports) in a subprocess, ``kvroute generate``
-streams back, ``kvroute bench --requests 30`` prints the table, SIGTERM stops every process."""
+"""End to end: ``kvroute up`` (2 replicas, small KV, free ports, ``--metrics``) in a subprocess,
+``kvroute generate`` streams back, every process's /metrics address in the banner serves its
+numbers, ``kvroute bench --requests 30`` prints the table, SIGTERM stops every process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import threading
 import time
 
 import pytest
+
+from tests.support import scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -85,11 +88,29 @@ def _in_groups(pgids: set[int]) -> list[str]:
     return found
 
 
+def _check_metrics(banner: str, summary: str) -> None:
+    """Each process line of the banner ends with its metrics address; each serves that process's
+    numbers: the router counts the generation's decision for the replica that served it, and that
+    replica counts the prompt's prefix-cache queries under its own id."""
+    urls = dict(re.findall(r"^  (router|replica-\d)\s.*\bpid \d+  metrics (http://\S+/metrics)$", banner, re.M))
+    assert sorted(urls) == ["replica-0", "replica-1", "router"], banner
+    assert all(u.startswith("http://127.0.0.1:") for u in urls.values()) and len(set(urls.values())) == 3
+    served_by = re.search(r"\| (replica-[01]) ", summary).group(1)
+    router = scrape_metrics(urls["router"])
+    decisions = {lab["kvroute_replica_id"]: v for lab, v in router["kvroute_router_decisions_total"]}
+    assert decisions == {served_by: 1.0}
+    replica = scrape_metrics(urls[served_by])
+    (queries,) = replica["kvroute_replica_prefix_cache_queries_total"]
+    assert queries[0]["kvroute_replica_id"] == served_by and queries[1] > 0
+    other = "replica-1" if served_by == "replica-0" else "replica-0"
+    assert [v for _, v in scrape_metrics(urls[other]).get("kvroute_replica_generation_tokens_total", [])] in ([], [0.0])
+
+
 def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_model_dir):
     t0 = time.monotonic()
     up = subprocess.Popen(
         [*KVROUTE, "up", "--replicas", "2", "--router-port", "0", "--num-blocks", "1024", "--model",
-         str(default_model_dir), "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"],
+         str(default_model_dir), "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120", "--metrics"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     out = _Lines(up)
@@ -109,6 +130,7 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
         summary = gen.stderr.strip().splitlines()[-1]
         assert re.search(r"finish length \| tokens: prompt \d+, completion 8, cached \d+ \| replica-[01] ", summary), summary
         assert "policy kvroute" in summary
+        _check_metrics(banner, summary)
 
         bench = subprocess.run(
             [*KVROUTE, "bench", "--target", target, "--requests", "30", "--concurrency", "4", "--out",

@@ -7,6 +7,7 @@ test_router_consumer.py (tests.support_redis.FakeReplica, wait_synced).
 from __future__ import annotations
 
 from kvroute.hashing import BlockHasher
+from kvroute.redis_layout import F_SEQ
 from router.registry import ReplicaRegistry
 from tests import support_redis
 from tests.support import wait_for
@@ -71,6 +72,32 @@ def test_heartbeat_expiry_drops_the_replica_and_its_entries(server, layout, fake
         )
         assert [i.replica_id for i in consumer.registry.routable()] == ["replica-b"]
         wait_synced(consumer, [b])
+
+
+def test_a_late_entry_of_an_expired_replica_is_not_indexed_nor_gap_counted(server, layout, r, fake_replicas):
+    a, b = fake_replicas("replica-a"), fake_replicas("replica-b")
+    with running_consumer(server, layout) as consumer:
+        a.steps(5)
+        b.steps(2)
+        wait_synced(consumer, [a, b])
+        late = dict(replica_entries(r, layout, "replica-a")[-1][1])
+        a.close()  # its heartbeat key expires; its snapshot key (no TTL) stays
+        wait_for(lambda: consumer.registry.get("replica-a") is None and "replica-a" not in consumer.index.replicas,
+                 timeout=SYNC_TIMEOUT, what="replica-a expired and dropped")
+        late[F_SEQ] = str(int(late[F_SEQ]) + 3).encode()  # a batch read after the expiry, past a hole
+        r.xadd(layout.events_stream("replica-a"), late)
+        wait_for(lambda: consumer.stale_batches + consumer.gaps >= 1, what="the late entry read")
+        b.steps(1)
+        wait_synced(consumer, [b])
+        assert (consumer.gaps, consumer.resyncs, consumer.snapshot_requests) == (0, 0, 0)
+        assert "replica-a" not in consumer.index.replicas
+
+
+def test_two_replicas_heartbeating_under_one_id_are_flagged(server, layout, fake_replicas):
+    with running_consumer(server, layout) as consumer:
+        fake_replicas("replica-0", port=50051)
+        fake_replicas("replica-0", port=50052)  # a second cluster's replica-0 on the same namespace
+        wait_for(lambda: consumer.registry.address_changes >= 2, what="the address of replica-0 flipping")
 
 
 def test_redis_restart_reconnects_and_resyncs(server, layout, fake_replicas):

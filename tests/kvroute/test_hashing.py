@@ -114,6 +114,18 @@ def test_reference_hash_block_equals_fast_path_on_vectors():
     assert [h0, h1] == hasher.hash_blocks(list(range(1, 11)))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_extra_hashes_as_no_extra_on_the_design_vectors(path):
+    # DESIGN.md §2: extra_i is None when empty, so () must give the table's digests, not CBOR [].
+    hasher = make_hasher(path, seed="0", block_size=4)
+    h0 = hasher.hash_block(None, [1, 2, 3, 4], ())
+    h1 = hasher.hash_block(h0, [5, 6, 7, 8], ())
+    assert h0[:8].hex() == "c9d58ba695280d69"
+    assert h1[:8].hex() == "24125b23e68883b5"
+    assert [to_event_int(h0), to_event_int(h1)] == [2164874634404590027, 17270480062156288726]
+    assert [h0, h1] == hasher.hash_blocks(list(range(1, 11)), BlockHashKeys(mm_items=()))
+
+
 def test_event_int_is_last_8_bytes_big_endian():
     digest = bytes(range(32))
     assert to_event_int(digest) == 0x18191A1B1C1D1E1F

@@ -7,13 +7,10 @@ looked up). So prefix cache queries = 106 tokens, hits = 48.
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.telemetry import extract_context, inject_metadata, setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -22,7 +19,7 @@ from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from replica.telemetry import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
-from tests.support import wait_for
+from tests.support import scrape_metrics, wait_for
 
 BLOCK = 16
 PROMPT = [(11 * i + 5) % 500 for i in range(3 * BLOCK + 5)]
@@ -66,13 +63,7 @@ def rep_load_idle(stub) -> bool:
 
 def scrape(port: int) -> dict[str, list]:
     """Prometheus text from the HTTP endpoint -> {sample name: [(labels, value), ...]}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+    return scrape_metrics(f"http://127.0.0.1:{port}/metrics")
 
 
 def total(samples: dict[str, list], name: str, **labels: str | None) -> float:
@@ -200,7 +191,7 @@ def test_replica_metrics_read_the_latest_engine_sample_and_count_cancels_as_abor
     try:
         sample = EngineSample(running=3, waiting=2, kv_usage=0.25, prefix_cache_queries=106, prefix_cache_hits=48,
                               preemptions=1)
-        metrics = ReplicaMetrics(telemetry.meter("kvroute.replica"), model="m", sample=lambda: sample)
+        metrics = ReplicaMetrics(telemetry.meter("kvroute.replica"), model="m", replica_id="r-7", sample=lambda: sample)
         metrics.record_request(operation="text_completion", prompt_tokens=10, completion_tokens=0, ttft_s=None,
                                duration_s=0.5, finish_reason=None, error_type="CANCELLED")
         points = {}
@@ -219,6 +210,7 @@ def test_replica_metrics_read_the_latest_engine_sample_and_count_cancels_as_abor
         (finished,) = [k for k in points if k[0] == "kvroute.replica.requests.finished"]
         assert ("finish_reason", "abort") in finished[1]
         assert "gen_ai.server.time_to_first_token" not in values  # successful responses only
+        assert {dict(attrs).get("kvroute.replica_id") for _, attrs in points} == {"r-7"}  # on every point
         assert values["gen_ai.server.request.duration"].count == 1
     finally:
         telemetry.shutdown()

@@ -90,6 +90,33 @@ def test_entries_of_unknown_replicas_in_the_backlog_and_of_unroutable_ones_are_i
     assert feed.replicas() == [] and feed.index.replicas == []
 
 
+def test_entries_of_an_expired_replica_are_not_followed_again_until_a_later_epoch():
+    feed = make_feed()
+    heartbeat(feed, "r")
+    feed.entry("r", E, 1, stored(1), history=False)
+    feed.registry.expire("r")
+    feed.expire("r", E)  # what the consumer does when the heartbeat key is gone
+    feed.entry("r", E, 5, stored(5), history=False)  # a late entry of the dead instance: seq 2-4 never come
+    assert feed.replicas() == [] and feed.index.replicas == []
+    assert not feed.any_gap and feed.gaps_due(now=0.0) == [] and feed.gaps == 0
+    assert not feed.request_due("r", now=0.0) and feed.snapshot_requests == 0
+    assert feed.stale_batches == 1
+    feed.entry("r", E + 1, 1, CLEAR, history=False)  # the replica restarted: a new epoch is followed
+    feed.entry("r", E + 1, 2, stored(2), history=False)
+    assert gpu(feed) == {2: 1} and feed.replicas() == ["r"]
+
+
+def test_an_expired_replica_that_heartbeats_again_is_followed_again():
+    feed = make_feed()
+    feed.entry("r", E, 1, stored(1), history=False)  # entries before any heartbeat: followed
+    feed.expire("r")  # the epoch it was followed at
+    feed.entry("r", E, 2, stored(2), history=False)
+    assert feed.replicas() == []
+    feed.heartbeat(heartbeat(feed, "r", last_seq=2), None, caught_up=True)  # it was only late
+    feed.entry("r", E, 3, stored(3), history=False)
+    assert feed.replicas() == ["r"]
+
+
 def test_an_undecodable_batch_is_a_lost_entry_that_opens_a_gap():
     feed = make_feed()
     feed.entry("r", E, 1, stored(1), history=False)

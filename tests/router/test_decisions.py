@@ -167,6 +167,26 @@ def test_burst_sharing_a_new_prefix_lands_on_one_replica_through_speculative_ent
     assert len(set(picks)) == 1
 
 
+def test_a_commit_after_the_replica_was_removed_does_not_put_it_back_in_the_index():
+    router = make_router(["R1"])
+    d = router.decide(prompt(5, 64))
+    assert d.picked.replica_id == "R1"
+    router.registry.expire("R1")  # the consumer thread, between decide and commit
+    router.index.remove_replica("R1")
+    router.commit(d)
+    assert router.index.replicas == []  # no phantom bit and empty maps left behind
+
+
+def test_a_withdrawn_decision_leaves_no_predicted_cached_tokens_for_its_prefix():
+    router = make_router(["R1"])
+    refused = prompt(8, 640)
+    d = router.decide(refused)
+    router.commit(d)
+    assert router.decide(refused[:320]).predicted_cached_tokens == 320 - B  # credited speculatively
+    router.withdraw(d)  # the replica refused it
+    assert router.decide(refused[:320]).predicted_cached_tokens == 0
+
+
 def test_no_routable_replica_gives_no_pick_and_a_reason():
     router = make_router([])
     d = router.decide(prompt(1, 40))

@@ -69,6 +69,20 @@ def test_lookup_equals_a_plain_walk_per_replica(state, walk_name):
         assert got[name] == expected, name
 
 
+def test_a_withdrawn_speculative_credit_is_gone_and_a_later_credit_of_the_same_block_stays():
+    now = [0.0]
+    index = BlockIndex(speculative_ttl=10.0, clock=lambda: now[0])
+    index.add("a", [1], GPU)
+    refused = index.add_speculative("a", [1, 2, 3])
+    now[0] = 1.0
+    index.add_speculative("a", [3, 4])  # a later request credits block 3 again
+    index.remove_speculative("a", [1, 2, 3], refused)
+    assert index.lookup([1, 2, 3])["a"] == Match(gpu=1)  # the real entry of block 1 stays
+    assert index.lookup([3, 4])["a"] == Match(gpu=2, speculative=2)
+    now[0] = 20.0
+    assert index.lookup([3, 4])["a"] == Match() and index.replicas == ["a"]
+
+
 @pytest.mark.parametrize("walk_name", WALKS)
 def test_worked_example_gpu_then_speculative_then_cpu(walk_name):
     index = BlockIndex(speculative_ttl=60.0, clock=lambda: 0.0)

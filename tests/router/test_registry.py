@@ -68,6 +68,17 @@ def test_an_incompatible_replica_is_logged_once_at_error(caplog):
     assert registry.num_incompatible == 0 and registry.get("replica-0").routable
 
 
+def test_an_id_whose_address_flips_is_logged_and_counted_each_time(caplog):
+    registry = ReplicaRegistry(ROUTER, "redis")
+    with caplog.at_level(logging.WARNING, logger="router.registry"):
+        for t, address in enumerate(["10.0.0.1:50051", "10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.1:50051"]):
+            registry.update_from_heartbeat(heartbeat(address=address), now=float(t))
+    assert registry.address_changes == 2
+    flips = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(flips) == 2
+    assert "replica-0: address changed from 10.0.0.1:50051 (epoch 7) to 10.0.0.2:50051 (epoch 7)" in flips[0]
+
+
 def test_static_discovery_needs_the_heartbeat_address_in_the_discovered_set():
     registry = ReplicaRegistry(ROUTER, "static")
     a = registry.update_from_heartbeat(heartbeat("replica-a", "10.0.0.1:50051"), now=0.0)

@@ -35,8 +35,12 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["generate", "--target", "nope", "hi"], "--target: expected HOST:PORT"),
         (["generate", "--target", "127.0.0.1:0", "hi"], "--target: expected HOST:PORT"),
         (["generate", ""], "text: must not be empty"),
-        (["generate", "--max-tokens", "0", "hi"], "--max-tokens: must be >= 1"),
+        (["generate", "--max-tokens", "0", "hi"], "--max-tokens: must be in 1..4294967295, got 0"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0"),
+        (["generate", "--seed", "-5", "hi"], "--seed: must be in 0..18446744073709551615, got -5"),
+        (["generate", "--seed", "18446744073709551616", "hi"], "--seed: must be in 0..18446744073709551615"),
+        (["generate", "--max-tokens", "4294967296", "hi"], "--max-tokens: must be in 1..4294967295"),
+        (["generate", "--seed", "x", "hi"], "--seed: invalid int value: 'x'"),
         (["generate"], "the following arguments are required: text"),
         (["bench", "--requests", "0"], "--requests: must be >= 1"),
         (["bench", "--tokens-per-block", "0"], "--tokens-per-block: must be >= 1"),
@@ -62,6 +66,13 @@ def test_generate_against_nothing_says_unavailable_and_suggests_kvroute_up(capsy
     err = capsys.readouterr().err
     assert err.startswith("kvroute generate: UNAVAILABLE: cannot reach a router at " + target)
     assert "kvroute up" in err and "Traceback" not in err
+
+
+def test_generate_with_an_out_of_range_seed_prints_usage_and_exits_2_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "kvroute_tools", "generate", "--seed", "-5", "hi"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: kvroute generate") and "Traceback" not in proc.stderr
 
 
 def test_bench_against_nothing_exits_2_with_one_line(capsys):

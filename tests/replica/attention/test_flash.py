@@ -15,6 +15,7 @@ from replica.attention import (
     flash_attn_available,
     select_backend,
 )
+from replica.attention.triton_backend import triton_available
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,4 +72,4 @@ def test_flash_matches_torch_on_mixed_prefill_and_decode(dtype):
 def test_auto_selects_flash_on_cuda_for_half_precision():
     backend = select_backend("cuda", dtype=torch.bfloat16, block_size=_block_size(FlashAttnBackend()))
     assert backend.name == "flash_attn"
-    assert select_backend("cuda", dtype=torch.float32).name == "torch"
+    assert select_backend("cuda", dtype=torch.float32).name == ("triton" if triton_available() else "torch")

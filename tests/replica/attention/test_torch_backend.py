@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+import replica.attention.torch_backend as torch_backend  # noqa: E402
 from replica.attention import (
     TorchAttentionBackend,
     allocate_kv_caches,
@@ -16,11 +15,9 @@ from replica.attention import (
     select_backend,
     write_kv_cache,
 )
+from tests.replica.attention import reference
+from tests.replica.attention.reference import SENTINEL
 from tests.support import one_torch_thread  # noqa: F401  (an autouse fixture)
-
-SENTINEL = 7.0
-
-import replica.attention.torch_backend as torch_backend  # noqa: E402
 
 DECODE_PATHS = ["gather", "cpu_kernel"] if torch_backend._cpu_paged is not None else ["gather"]
 
@@ -34,78 +31,12 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
-def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float
-) -> torch.Tensor:
-    """q [L, H, D] at positions first_pos.., k/v [S, Hkv, D] contiguous; float64 loops."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for j in range(q.shape[0]):
-        pos = first_pos + j
-        for h in range(num_heads):
-            keys = k[: pos + 1, h // group].double()
-            scores = keys @ q[j, h].double() * scale
-            weights = torch.softmax(scores, dim=0)
-            out[j, h] = weights @ v[: pos + 1, h // group].double()
-    return out
-
-
-def run_case(
-    requests: list[tuple[int, int]],
-    *,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 8,
-    block_size: int = 4,
-    num_blocks: int = 64,
-    pad_to: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """requests: (query_len, seq_len) each. Context K/V is pre-written through the block table;
-    the backend writes the query tokens' K/V itself. Returns everything needed to check."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = 1 / math.sqrt(head_dim)
-    (cache,) = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
-    cache.fill_(SENTINEL)
-    # Non-contiguous, shuffled block ids; block 0 (null) and the last block are never handed out.
-    free = (torch.randperm(num_blocks - 2, generator=gen) + 1).tolist()
-    tables, full_k, full_v, queries, new_k, new_v = [], [], [], [], [], []
-    for query_len, seq_len in requests:
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        tables.append(table)
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        full_k.append(k)
-        full_v.append(v)
-        ctx = seq_len - query_len
-        if ctx:
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
-            write_kv_cache(k[:ctx], v[:ctx], cache, slots)
-        queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype))
-        new_k.append(k[ctx:])
-        new_v.append(v[ctx:])
-    md, _ = build_attention_metadata(
-        [q for q, _ in requests], [s for _, s in requests], tables, block_size, pad_to
-    )
-    num_pad = md.num_tokens - md.num_actual_tokens
-    q = torch.cat([*queries, torch.full((num_pad, num_heads, head_dim), 3.0, dtype=dtype)])
-    k = torch.cat([*new_k, torch.full((num_pad, num_kv_heads, head_dim), -5.0, dtype=dtype)])
-    v = torch.cat([*new_v, torch.full((num_pad, num_kv_heads, head_dim), -5.0, dtype=dtype)])
-    out = TorchAttentionBackend().forward(q, k, v, cache, md, scale)
-    return out, md, cache, full_k, full_v, queries, tables, scale
+def run_case(requests, **kwargs):
+    return reference.run_case(TorchAttentionBackend(), requests, **kwargs)
 
 
 def check_against_reference(requests, atol=1e-5, **kwargs):
-    out, md, cache, full_k, full_v, queries, tables, scale = run_case(requests, **kwargs)
-    starts = md.query_start_loc.tolist()
-    for i, (query_len, seq_len) in enumerate(requests):
-        expected = naive_attention(queries[i], full_k[i], full_v[i], seq_len - query_len, scale)
-        got = out[starts[i] : starts[i + 1]].double()
-        torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
-    assert torch.all(out[md.num_actual_tokens :] == 0), "padded rows must be zeros"
-    return out, md, cache, full_k, full_v, tables
+    return reference.check_against_reference(TorchAttentionBackend(), requests, atol=atol, **kwargs)
 
 
 def test_pure_decode_batch_matches_naive_attention():

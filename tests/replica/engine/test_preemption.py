@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from replica.engine.engine import LLMEngine
 from replica.engine.params import FinishReason, SamplingParams
 from replica.engine.request import RequestStatus
+from replica.telemetry import sample_engine
+from replica.wire import load_response
 from tests.support import make_cpu_engine, random_tokens
 
 torch.set_num_threads(1)
@@ -78,6 +80,32 @@ def test_requests_preempted_under_a_small_kv_budget_finish_with_unconstrained_ou
     assert finished == {f"r{i}": FinishReason.LENGTH for i in range(len(prompts))}
     assert_no_blocks_held(tight)
     assert tight.kv.block_pool.free_block_queue.num_free_blocks == 20 - 1
+
+
+def test_preemption_recompute_is_counted_apart_from_prefix_cache_queries_and_hits(default_model_dir):
+    """vLLM excludes a preempted request's re-admission from the prefix cache stats: with prompts
+    sharing no prefix, queries are the prompt lengths and hits 0, preempted or not; the recompute
+    (the re-admitted prompt + outputs not found in the cache) is counted on its own."""
+    prompts = [random_tokens(40, seed=30), random_tokens(40, seed=31)]  # no shared block
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    roomy = make_engine(default_model_dir, num_blocks=64, max_num_seqs=2)
+    roomy.generate(prompts, params)
+    assert roomy.scheduler.num_preemptions == 0
+    assert (roomy.kv.stats.queries, roomy.kv.stats.hits) == (80, 0)
+    assert roomy.kv.stats.recomputed_tokens == 0
+
+    # 9 usable blocks for 2 requests that need 5 each at the end (80 tokens): one is preempted.
+    tight = make_engine(default_model_dir, num_blocks=10, max_num_seqs=2)
+    tight.generate(prompts, params)
+    stats = tight.kv.stats
+    assert tight.scheduler.num_preemptions > 0
+    assert (stats.queries, stats.hits, stats.requests) == (80, 0, 2)  # equal to the un-preempted run's
+    assert stats.preempted_requests == tight.scheduler.num_preemptions
+    assert stats.preempted_queries > 0 and stats.preempted_hits > 0  # its own surviving blocks
+    assert stats.recomputed_tokens == stats.preempted_queries - stats.preempted_hits > 0
+    load = load_response("r", sample_engine(tight), 0)  # what GetLoad and the metrics export
+    assert (load.prefix_cache_queries, load.prefix_cache_hits) == (80, 0)
+    assert load.recomputed_tokens == stats.recomputed_tokens
 
 
 @pytest.fixture(scope="module")

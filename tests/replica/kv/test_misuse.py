@@ -266,6 +266,14 @@ def test_reset_prefix_cache_refused_while_blocks_are_held(mgr):
     assert mgr.take_events() == []
 
 
+def test_required_reset_prefix_cache_raises_naming_the_blocks_in_use(mgr):
+    before = state(mgr)
+    with pytest.raises(KVCacheError, match=r"reset_prefix_cache: refused, 3 blocks are in use"):
+        mgr.reset_prefix_cache(must_succeed=True)
+    assert state(mgr) == before
+    assert mgr.take_events() == []
+
+
 def test_reset_prefix_cache_clears_everything_when_nothing_is_held(mgr):
     mgr.free(running_req(mgr))
     mgr.take_events()

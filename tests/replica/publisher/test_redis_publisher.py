@@ -22,6 +22,7 @@ from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
 from replica.engine.step_hook import take_step_sample
+from replica.kv import PrefixCacheStats
 from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
 from tests import support_redis
 from tests.support import wait_for
@@ -31,7 +32,8 @@ REPLICA = "replica-a"
 ADDRESS = "127.0.0.1:50051"
 INFO = EngineInfo(
     model="kvroute-tiny-llama", vocab_size=529, max_model_len=2048, block_size=16, num_blocks=64,
-    hash_algorithm="sha256_cbor", hash_seed_digest="9bd96a485ad84efd",
+    hash_algorithm="sha256_cbor", hash_seed_digest="9bd96a485ad84efd", attn_backend="triton",
+    attn_backend_reason="no flash-attention build pages block_size 16 (flash_attn pages multiples of 256)",
 )
 LOAD = EngineLoad(free_blocks=40, running=2, waiting=1, usage=0.375, queued_prefill_tokens=96)
 
@@ -106,6 +108,7 @@ def test_heartbeat_has_every_field_and_a_ttl_and_expires_after_close(server, lay
         assert (hb["model"], hb["block_size"], hb["free_blocks"], hb["usage"]) == (
             "kvroute-tiny-llama", "16", "40", "0.375"
         )
+        assert (hb["attn_backend"], hb["attn_backend_reason"]) == (INFO.attn_backend, INFO.attn_backend_reason)
         assert 0 < r.pttl(key) <= 600  # 3 heartbeats of 0.2 s
         first_ts = hb["ts"]
         wait_for(lambda: r.hget(key, "ts") != first_ts, what="the next heartbeat")
@@ -179,7 +182,7 @@ class StubEngine:
     def __init__(self, events: list):
         self.events = events
         self.kv = SimpleNamespace(num_free_blocks=40, num_blocks=64, usage=0.375, cached_event_hashes=dict,
-                                  stats=SimpleNamespace(queries=0, hits=0, cpu_hits=0))
+                                  stats=PrefixCacheStats())
         self.scheduler = SimpleNamespace(running=[object(), object()], waiting=[object()], queued_prefill_tokens=96,
                                          num_preemptions=0)
         self.num_steps = 0

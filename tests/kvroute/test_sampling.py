@@ -1,4 +1,5 @@
-"""SamplingParams defaults, request validation (every error names its field) and the length clamp."""
+"""kvroute.sampling: SamplingParams defaults, request validation (every error names its field; the
+router and the replica both call it) and the length clamp."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from replica.engine.errors import EngineError, InvalidRequestError
-from replica.engine.params import SamplingParams, effective_max_tokens, validate_request
+from kvroute.prompt import InvalidRequestError
+from kvroute.sampling import SamplingParams, effective_max_tokens, validate_request
 
 VOCAB = 100
 MAX_MODEL_LEN = 32
@@ -34,7 +35,7 @@ def test_invalid_request_error_formats_field_and_reason():
     err = InvalidRequestError("top_p", "must be in (0, 1], got 2")
     assert str(err) == "top_p: must be in (0, 1], got 2"
     assert (err.field, err.reason) == ("top_p", "must be in (0, 1], got 2")
-    assert isinstance(err, ValueError) and isinstance(err, EngineError)
+    assert isinstance(err, ValueError)
     again = pickle.loads(pickle.dumps(err))
     assert (again.field, again.reason, str(again)) == (err.field, err.reason, str(err))
 

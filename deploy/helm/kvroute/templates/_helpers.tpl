@@ -1,0 +1,252 @@
+{{/*
+Names, labels and the environment shared by the router and replica templates.
+*/}}
+
+{{- define "kvroute.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-<chart>, or the release name when it already contains the chart name. */}}
+{{- define "kvroute.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Resource names of the parts (<= 63 characters). */}}
+{{- define "kvroute.router.name" -}}{{ include "kvroute.fullname" . | trunc 56 | trimSuffix "-" }}-router{{- end }}
+{{- define "kvroute.replica.name" -}}{{ include "kvroute.fullname" . | trunc 55 | trimSuffix "-" }}-replica{{- end }}
+{{- define "kvroute.redis.name" -}}{{ include "kvroute.fullname" . | trunc 57 | trimSuffix "-" }}-redis{{- end }}
+
+{{/* Selector labels of one part: pass (dict "ctx" $ "component" "router"). */}}
+{{- define "kvroute.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every label of one part's resources: pass (dict "ctx" $ "component" "router"). */}}
+{{- define "kvroute.labels" -}}
+helm.sh/chart: {{ include "kvroute.chart" .ctx }}
+{{ include "kvroute.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: kvroute
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.router.serviceAccountName" -}}
+{{- default (include "kvroute.router.name" .) .Values.router.serviceAccount.name }}
+{{- end }}
+
+{{/* An image reference: pass (dict "ctx" $ "image" .Values.router.image). */}}
+{{- define "kvroute.image" -}}
+{{ .image.repository }}:{{ default .ctx.Chart.AppVersion .image.tag }}
+{{- end }}
+
+{{/* The Redis key namespace of the release. */}}
+{{- define "kvroute.namespace" -}}
+{{- default .Release.Name .Values.cluster.namespace }}
+{{- end }}
+
+{{/* The Redis URL the routers and replicas use. */}}
+{{- define "kvroute.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "kvroute.redis.name" . }}:{{ .Values.redis.port }}/0
+{{- else -}}
+{{ required "externalRedis.url is required when redis.enabled is false" .Values.externalRedis.url }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret and key holding the Redis password; empty name when there is none. */}}
+{{- define "kvroute.redisSecretName" -}}
+{{- if .Values.redis.enabled -}}
+{{ default (include "kvroute.redis.name" .) .Values.redis.auth.existingSecret }}
+{{- else -}}
+{{ .Values.externalRedis.existingSecret }}
+{{- end }}
+{{- end }}
+{{- define "kvroute.redisSecretKey" -}}
+{{- if .Values.redis.enabled }}{{ .Values.redis.auth.secretKey }}{{ else }}{{ .Values.externalRedis.secretKey }}{{ end }}
+{{- end }}
+
+{{/*
+The environment both the routers and the replicas get: Redis (the password from the Secret,
+never from plain values), the cluster's hashing, OpenTelemetry. Pass the component name
+(dict "ctx" $ "component" "router").
+*/}}
+{{- define "kvroute.commonEnv" -}}
+{{- $ := .ctx }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+# The root filesystem is read-only: caches (torch, the kernels) go to the /tmp emptyDir.
+- name: HOME
+  value: /tmp
+- name: KVROUTE_HOST
+  value: "0.0.0.0"
+- name: KVROUTE_REDIS_URL
+  value: {{ include "kvroute.redisUrl" $ | quote }}
+{{- $secret := include "kvroute.redisSecretName" $ }}
+{{- if $secret }}
+- name: KVROUTE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "kvroute.redisSecretKey" $ }}
+{{- end }}
+{{- if and (not $.Values.redis.enabled) $.Values.externalRedis.tls.caSecret }}
+- name: KVROUTE_REDIS_CA_FILE
+  value: /etc/kvroute/redis-ca/{{ $.Values.externalRedis.tls.caKey }}
+{{- end }}
+- name: KVROUTE_NAMESPACE
+  value: {{ include "kvroute.namespace" $ | quote }}
+- name: KVROUTE_EVENT_SHARDS
+  value: {{ $.Values.cluster.eventShards | quote }}
+- name: KVROUTE_BLOCK_SIZE
+  value: {{ $.Values.cluster.blockSize | quote }}
+- name: KVROUTE_HASH_ALGORITHM
+  value: {{ $.Values.cluster.hashAlgorithm | quote }}
+- name: KVROUTE_MODEL_CACHE_DIR
+  value: /models
+{{- with $.Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $.Values.otel.protocol | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ $.Values.otel.insecure | quote }}
+{{- with $.Values.otel.headers }}
+- name: OTEL_EXPORTER_OTLP_HEADERS
+  value: {{ . | quote }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.namespace={{ include "kvroute.namespace" $ }}"
+{{- end }}
+{{- end }}
+
+{{/* `settings: {name: value}` as KVROUTE_NAME variables (sorted). Pass the map. */}}
+{{- define "kvroute.settingsEnv" -}}
+{{- range $k, $v := . }}
+- name: KVROUTE_{{ $k | upper }}
+  value: {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes for the Redis CA (external Redis with TLS). */}}
+{{- define "kvroute.redisCaVolume" -}}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.externalRedis.tls.caSecret }}
+{{- end }}
+{{- end }}
+{{- define "kvroute.redisCaMount" -}}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
+- name: redis-ca
+  mountPath: /etc/kvroute/redis-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+The model volume and where the model folder is in it: `generate` writes the default model
+into an emptyDir with an init container (replica image), `pvc` / `hostPath` mount an existing one.
+*/}}
+{{- define "kvroute.modelVolume" -}}
+- name: models
+{{- if eq .Values.replica.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "replica.model.claimName is required with model.source pvc" .Values.replica.model.claimName }}
+    readOnly: true
+{{- else if eq .Values.replica.model.source "hostPath" }}
+  hostPath:
+    path: {{ required "replica.model.hostPath is required with model.source hostPath" .Values.replica.model.hostPath }}
+    type: Directory
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+{{- define "kvroute.modelEnv" -}}
+{{- if ne .Values.replica.model.source "generate" }}
+- name: KVROUTE_MODEL
+  value: {{ printf "/models/%s" (.Values.replica.model.path | trimPrefix "/") | trimSuffix "/" | quote }}
+{{- end }}
+{{- end }}
+{{- define "kvroute.modelMount" -}}
+- name: models
+  mountPath: /models
+  readOnly: {{ ne .Values.replica.model.source "generate" }}
+{{- end }}
+
+{{/* The init container that generates the default model (model.source generate). */}}
+{{- define "kvroute.generateModelInit" -}}
+{{- if eq .Values.replica.model.source "generate" }}
+- name: generate-model
+  image: {{ include "kvroute.image" (dict "ctx" . "image" .Values.replica.image) }}
+  imagePullPolicy: {{ .Values.replica.image.pullPolicy }}
+  command: ["python", "-m", "kvroute_tools.resolve_model", "", "/models"]
+  env:
+    - name: HOME
+      value: /tmp
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    requests:
+      cpu: 100m
+      memory: 256Mi
+    limits:
+      memory: 2Gi
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* Default topology spread of one part: over nodes, best effort. Pass (dict "ctx" $ "component" "router" "constraints" list). */}}
+{{- define "kvroute.topologySpread" -}}
+{{- if .constraints }}
+{{- toYaml .constraints }}
+{{- else }}
+- maxSkew: 1
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: ScheduleAnyway
+  labelSelector:
+    matchLabels:
+      {{- include "kvroute.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* Static discovery: the replica StatefulSet pods' stable DNS names, comma-separated. */}}
+{{- define "kvroute.staticReplicas" -}}
+{{- $name := include "kvroute.replica.name" . }}
+{{- $addrs := list }}
+{{- range $i := until (int .Values.replica.replicas) }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.replica.port)) }}
+{{- end }}
+{{- join "," $addrs }}
+{{- end }}

@@ -1,0 +1,304 @@
+"""The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
+existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
+discovery): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
+(kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
+in strict mode, and the chart's contract with the code holds (appVersion, setting names)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.chart import (
+    CHART_DIR,
+    FULLNAME,
+    NAMESPACE,
+    container,
+    env_of,
+    find,
+    helm,
+    kinds,
+    notes,
+    pod_spec,
+    render,
+    unknown_kvroute_env,
+)
+
+K8S_VERSIONS = ("1.29.0", "1.33.0")
+ROUTER, REPLICA, REDIS = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-redis"
+CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas: checked field by field below
+
+MATRIX = {
+    "defaults": {},
+    "external-redis-existing-secret": {
+        "redis": {"enabled": False},
+        "externalRedis": {"url": "rediss://redis.shared.svc:6380/2", "existingSecret": "redis-creds",
+                          "secretKey": "password", "tls": {"caSecret": "redis-ca", "caKey": "ca.pem"}},
+    },
+    "cpu-replicas": {"replica": {"gpu": 0, "replicas": 3, "resources": {"requests": {"cpu": "1"}}}},
+    "monitoring-on": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+                      "otel": {"endpoint": "http://otel-collector.observability:4317"}},
+    "one-router-hpa": {"router": {"replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}},
+    "three-routers-hpa": {"router": {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}}},
+    "discovery-kubernetes": {"router": {"discovery": "kubernetes"}},
+    "discovery-static": {"router": {"discovery": "static"}, "replica": {"replicas": 2}},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MATRIX))
+def case(request) -> tuple[str, list[dict]]:
+    return request.param, render(MATRIX[request.param])
+
+
+def test_every_manifest_validates_against_two_kubernetes_versions(case):
+    name, docs = case
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                pytest.fail(f"{name}: {doc['kind']} {doc['metadata']['name']} on {version}: {path}: {e.message}")
+            checked += 1
+    assert checked >= 2 * 10, f"{name}: only {checked // 2} manifests validated"
+
+
+def test_every_kvroute_variable_is_a_setting_the_program_reads(case):
+    name, docs = case
+    assert unknown_kvroute_env(docs) == [], name
+
+
+def test_defaults_render_the_whole_release():
+    docs = render({})
+    assert kinds(docs) == sorted([
+        ("ConfigMap", f"{FULLNAME}-dashboard"), ("Deployment", ROUTER), ("PodDisruptionBudget", ROUTER),
+        ("Pod", f"{FULLNAME}-test-health"), ("Role", ROUTER), ("RoleBinding", ROUTER), ("Secret", REDIS),
+        ("Service", REDIS), ("Service", REPLICA), ("Service", ROUTER), ("ServiceAccount", ROUTER),
+        ("StatefulSet", REDIS), ("StatefulSet", REPLICA),
+    ])
+    for d in docs:
+        labels = d["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kvroute" and labels["app.kubernetes.io/instance"] == "kvr"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["app.kubernetes.io/version"] == "0.1.0"
+
+    router = find(docs, "Deployment", ROUTER)
+    assert router["spec"]["replicas"] == 2
+    rc = container(router, "router")
+    assert rc["command"] == ["kvroute", "router"] and "args" not in rc
+    assert {p["name"]: p["containerPort"] for p in rc["ports"]} == {"grpc": 50050, "http": 8000, "metrics": 9090}
+    assert rc["readinessProbe"]["grpc"] == {"port": 50050, "service": "readiness"}
+    assert rc["livenessProbe"]["grpc"] == {"port": 50050, "service": "liveness"}
+    assert rc["securityContext"]["runAsNonRoot"] is True and rc["securityContext"]["readOnlyRootFilesystem"] is True
+    env = env_of(rc)
+    assert env["KVROUTE_DISCOVERY"] == "kubernetes" and env["KVROUTE_K8S_SERVICE"] == REPLICA
+    assert env["KVROUTE_K8S_PORT_NAME"] == "grpc" and env["KVROUTE_K8S_NAMESPACE"] == "$(POD_NAMESPACE)"
+    assert env["KVROUTE_REDIS_URL"] == f"redis://{REDIS}:6379/0"
+    assert env["KVROUTE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": REDIS, "key": "redis-password"}}
+    assert pod_spec(router)["serviceAccountName"] == ROUTER and pod_spec(router)["automountServiceAccountToken"]
+    assert pod_spec(router)["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    role = find(docs, "Role", ROUTER)
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    svc = find(docs, "Service", ROUTER)
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [("grpc", 50050), ("http", 8000), ("metrics", 9090)]
+
+    replica = find(docs, "StatefulSet", REPLICA)
+    assert replica["spec"]["serviceName"] == REPLICA and replica["spec"]["replicas"] == 2
+    rep = container(replica, "replica")
+    assert rep["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert rep["startupProbe"]["grpc"] == {"port": 50051, "service": "readiness"}
+    assert rep["startupProbe"]["periodSeconds"] * rep["startupProbe"]["failureThreshold"] == 600  # the load budget
+    env = env_of(rep)
+    assert env["KVROUTE_REPLICA_ID"] == "$(POD_NAME)" and env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["KVROUTE_ADVERTISE_ADDRESS"] == "$(POD_IP):50051" and env["KVROUTE_DEVICE"] == "cuda"
+    assert env["KVROUTE_DRAIN_TIMEOUT"] == "30"
+    assert pod_spec(replica)["terminationGracePeriodSeconds"] == 60
+    volumes = {v["name"]: v for v in pod_spec(replica)["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert volumes["models"] == {"name": "models", "emptyDir": {}}
+    assert container(replica, "generate-model")["command"] == [
+        "python", "-m", "kvroute_tools.resolve_model", "", "/models"]
+    headless = find(docs, "Service", REPLICA)
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["ports"][0]["name"] == "grpc"
+    assert not headless["spec"].get("publishNotReadyAddresses")  # readiness must reach the EndpointSlices
+
+    redis = container(find(docs, "StatefulSet", REDIS), "redis")
+    assert redis["args"][redis["args"].index("--save") + 1] == ""
+    assert redis["args"][redis["args"].index("--appendonly") + 1] == "no"
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    secret = find(docs, "Secret", REDIS)
+    assert len(secret["data"]["redis-password"]) == 44  # 32 random characters, base64
+
+    test_pod = find(docs, "Pod", f"{FULLNAME}-test-health")
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert test_pod["spec"]["containers"][0]["command"] == ["kvroute", "health", "--target", f"{ROUTER}:50050"]
+
+
+def test_external_redis_uses_the_existing_secret_and_the_ca_and_runs_no_redis():
+    docs = render(MATRIX["external-redis-existing-secret"])
+    assert not [d for d in docs if "redis" in d["metadata"]["name"]]
+    for kind, name, cname in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "replica")):
+        w = find(docs, kind, name)
+        env = env_of(container(w, cname))
+        assert env["KVROUTE_REDIS_URL"] == "rediss://redis.shared.svc:6380/2"
+        assert env["KVROUTE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-creds", "key": "password"}}
+        assert env["KVROUTE_REDIS_CA_FILE"] == "/etc/kvroute/redis-ca/ca.pem"
+        assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in pod_spec(w)["volumes"]
+
+
+def test_cpu_replicas_request_no_gpu_and_run_on_cpu():
+    docs = render(MATRIX["cpu-replicas"])
+    replica = find(docs, "StatefulSet", REPLICA)
+    rep = container(replica, "replica")
+    assert "nvidia.com/gpu" not in json.dumps(rep["resources"])
+    assert rep["resources"]["requests"] == {"cpu": "1", "memory": "8Gi"}  # merged with the defaults
+    assert env_of(rep)["KVROUTE_DEVICE"] == "cpu"
+    assert "tolerations" not in pod_spec(replica) and replica["spec"]["replicas"] == 3
+
+
+def test_monitoring_on_renders_service_monitors_and_otlp():
+    docs = render(MATRIX["monitoring-on"])
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    assert sorted(monitors) == [REPLICA, ROUTER]
+    for name, sm in monitors.items():
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prom"
+        assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s", "path": "/metrics"}]
+        component = name.rsplit("-", 1)[1]
+        assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
+        svc = find(docs, "Service", name)
+        assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
+    env = env_of(container(find(docs, "Deployment", ROUTER), "router"))
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    # Offline rendering has no monitoring.coreos.com/v1 API: "auto" renders none.
+    assert not [d for d in render({}) if d["kind"] == "ServiceMonitor"]
+
+
+@pytest.mark.parametrize(("case_name", "replicas"), [("one-router-hpa", 1), ("three-routers-hpa", 3)])
+def test_the_hpa_owns_the_router_count(case_name, replicas):
+    docs = render(MATRIX[case_name])
+    hpa = find(docs, "HorizontalPodAutoscaler", ROUTER)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": ROUTER}
+    assert hpa["spec"]["minReplicas"] == replicas
+    assert "replicas" not in find(docs, "Deployment", ROUTER)["spec"]
+
+
+def test_static_discovery_lists_the_statefulset_pods_and_needs_no_rbac():
+    docs = render(MATRIX["discovery-static"])
+    env = env_of(container(find(docs, "Deployment", ROUTER), "router"))
+    assert env["KVROUTE_DISCOVERY"] == "static"
+    assert env["KVROUTE_REPLICAS"] == (f"{REPLICA}-0.{REPLICA}.{NAMESPACE}.svc:50051,"
+                                       f"{REPLICA}-1.{REPLICA}.{NAMESPACE}.svc:50051")
+    rep_env = env_of(container(find(docs, "StatefulSet", REPLICA), "replica"))
+    assert rep_env["KVROUTE_ADVERTISE_ADDRESS"] == f"$(POD_NAME).{REPLICA}.$(POD_NAMESPACE).svc:50051"
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert pod_spec(find(docs, "Deployment", ROUTER))["automountServiceAccountToken"] is False
+
+
+def test_every_replica_setting_is_reachable_from_values():
+    from tests.deploy.chart import known_settings
+
+    settings = {name.removeprefix("KVROUTE_").lower(): "1" for name in known_settings("replica")}
+    env = env_of(container(find(render({"replica": {"settings": settings}}), "StatefulSet", REPLICA), "replica"))
+    assert known_settings("replica") <= set(env)
+    assert env["KVROUTE_MAX_NUM_SEQS"] == "1"
+
+
+def test_model_from_a_pvc_or_a_host_path():
+    docs = render({"replica": {"model": {"source": "pvc", "claimName": "llama-weights", "path": "llama-3-8b"}}})
+    for kind, name, cname in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "replica")):
+        w = find(docs, kind, name)
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}} in \
+            pod_spec(w)["volumes"]
+        assert env_of(container(w, cname))["KVROUTE_MODEL"] == "/models/llama-3-8b"
+        assert "initContainers" not in pod_spec(w)
+    docs = render({"replica": {"model": {"source": "hostPath", "hostPath": "/mnt/models/tiny"}}})
+    vol = next(v for v in pod_spec(find(docs, "StatefulSet", REPLICA))["volumes"] if v["name"] == "models")
+    assert vol["hostPath"] == {"path": "/mnt/models/tiny", "type": "Directory"}
+
+
+def test_the_dashboard_configmap_carries_the_dashboard_file_for_the_grafana_sidecar():
+    cm = find(render({}), "ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["kvroute.json"]) == json.loads((CHART_DIR / "dashboards" / "kvroute.json").read_text())
+
+
+def test_notes_tell_how_to_reach_and_try_the_router():
+    text = notes({})
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{ROUTER} 50050:50050" in text
+    assert "kvroute generate --target 127.0.0.1:50050" in text
+    assert "grpcurl -plaintext" in text and "kvroute.v1.GenerationService/GenerateStream" in text
+
+
+def test_the_chart_lints_clean_in_strict_mode():
+    for version in ("v1.29.0", "v1.33.0"):
+        report = helm.lint(str(CHART_DIR), strict=True, kube_version=version)
+        assert report["errors"] == []
+        worse_than_info = [m for m in report["messages"] if m["severity"] >= 2]
+        assert worse_than_info == [], worse_than_info
+
+
+def test_app_version_is_the_package_version():
+    pyproject = tomllib.loads((CHART_DIR.parents[2] / "pyproject.toml").read_text())
+    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["appVersion"] == pyproject["project"]["version"]
+
+
+def test_the_schema_enums_are_the_codes_choices():
+    from kvroute.hashing import HASH_ALGORITHMS
+    from router.scoring import POLICY_NAMES
+    from router.settings import RouterSettings
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]
+    assert schema["cluster"]["properties"]["hashAlgorithm"]["enum"] == list(HASH_ALGORITHMS)
+    assert schema["router"]["properties"]["policy"]["enum"] == list(POLICY_NAMES)
+    discovery = next(f for f in RouterSettings.__dataclass_fields__.values() if f.name == "discovery")
+    assert sorted(schema["router"]["properties"]["discovery"]["enum"]) == sorted(discovery.metadata["choices"])
+
+
+def test_every_values_key_is_documented_helm_docs_style():
+    """Each key carries a ``# --`` comment, itself or through the map it sits in."""
+    undocumented = []
+    documented_at: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    comment = False
+    for line in (CHART_DIR / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# --"):
+            comment = True
+            continue
+        if stripped.startswith("#") or not stripped:
+            continue
+        m = re.match(r"^( *)([A-Za-z_][\w.-]*):(.*)$", line)
+        if m is None:  # a list item of a default value
+            continue
+        indent = len(m.group(1))
+        while documented_at and documented_at[-1][0] >= indent:
+            documented_at.pop()
+        inherited = any(doc for _, doc in documented_at)
+        is_leaf = m.group(3).strip() != ""
+        if is_leaf and not (comment or inherited):
+            undocumented.append(m.group(2))
+        documented_at.append((indent, comment))
+        comment = False
+    assert undocumented == []
+
+
+def test_the_gateway_mode_key_is_there_with_proxy_only():
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["properties"]["gateway"]["properties"]["mode"]["enum"] == ["proxy"]
+    assert yaml.safe_load((CHART_DIR / "values.yaml").read_text())["gateway"] == {"mode": "proxy"}
+    assert Path(CHART_DIR / "values.schema.json").is_file()
+
+
+def test_a_setting_the_programs_do_not_read_is_caught():
+    docs = render({"replica": {"settings": {"max_num_seq": 8}}, "router": {"settings": {"polcy": "random"}}})
+    assert sorted(unknown_kvroute_env(docs)) == [f"{REPLICA}/replica: KVROUTE_MAX_NUM_SEQ", f"{ROUTER}/router: KVROUTE_POLCY"]

@@ -1,0 +1,43 @@
+"""values.schema.json, as Helm enforces it when it renders: bad values fail before any manifest
+exists, with a message naming the key (one test per case)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.deploy.chart import helm, render
+
+
+def _rejection(values: dict) -> str:
+    with pytest.raises(helm.HelmValuesError) as err:
+        render(values)
+    return str(err.value)
+
+
+def test_a_negative_replica_count_is_rejected_naming_the_key():
+    assert "at '/replica/replicas': minimum: got -1, want 0" in _rejection({"replica": {"replicas": -1}})
+    assert "at '/router/replicas': minimum: got -2, want 1" in _rejection({"router": {"replicas": -2}})
+
+
+def test_a_gpu_count_that_is_not_a_number_is_rejected_naming_the_key():
+    assert "at '/replica/gpu': got string, want integer" in _rejection({"replica": {"gpu": "two"}})
+
+
+def test_an_unknown_discovery_mode_is_rejected_naming_the_key():
+    message = _rejection({"router": {"discovery": "consul"}})
+    assert "at '/router/discovery': value must be one of 'kubernetes', 'static', 'redis'" in message
+
+
+def test_redis_disabled_without_external_redis_is_rejected_naming_the_key():
+    assert "at '/externalRedis/url'" in _rejection({"redis": {"enabled": False}})
+    # With a URL it renders; a URL that is not redis:// or rediss:// does not.
+    assert render({"redis": {"enabled": False}, "externalRedis": {"url": "redis://r:6379/0"}})
+    assert "at '/externalRedis/url'" in _rejection({"redis": {"enabled": False}, "externalRedis": {"url": "r:6379"}})
+
+
+def test_a_misspelt_key_is_rejected_naming_it():
+    assert "'replicaz'" in _rejection({"router": {"replicaz": 3}})
+
+
+def test_a_gateway_mode_not_built_yet_is_rejected():
+    assert "at '/gateway/mode'" in _rejection({"gateway": {"mode": "envoy"}})
