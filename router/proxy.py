@@ -161,6 +161,20 @@ class Proxy:
         log.info("routing policy is now %s", policy.name)
         return policy.name
 
+    def checked_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids, the whole request validated as a replica would (given ids against
+        the vocabulary, sampling values and length against the replicas' model limits).
+
+        Raises:
+            InvalidRequestError: the field at fault (before anything is routed).
+        """
+        ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+        sampling = request.sampling if request.HasField("sampling") else None
+        vocab_size, max_model_len = self.limits.current
+        validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
+                         max_model_len=max_model_len, check_ids=False)
+        return ids
+
     # -- the proxied call --------------------------------------------------------------------------
     async def stream(
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext, *, method: str,
@@ -188,11 +202,8 @@ class Proxy:
         error: tuple[str, str] | None = None
         attempts: list[tuple[Decision, str | None]] = []  # (decision, the status it failed with)
         try:
-            ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+            ids = self.checked_ids(request)
             sampling = request.sampling if request.HasField("sampling") else None
-            vocab_size, max_model_len = self.limits.current
-            validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
-                             max_model_len=max_model_len, check_ids=False)
             upstream_request = rep_pb.ReplicaGenerateRequest(
                 request_id=request.request_id, token_ids=ids, cache_salt=request.cache_salt, sampling=sampling,
             )

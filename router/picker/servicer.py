@@ -131,7 +131,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if body is not None:
                 request = generate_request(call.path, call.content_type, body)
                 call.operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
-                ids = self._proxy.tokenizer.token_ids(request)
+                ids = self._proxy.checked_ids(request)  # the proxy's checks: refused before any pick
                 salt = request.cache_salt
         except InvalidRequestError as e:
             return self._refuse(call, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -126,10 +126,12 @@ def test_replica_cached_tokens_reach_the_prediction_metric_through_the_trailers(
     wait_for(lambda: cached_total() >= 4 * B, what="the cached tokens recorded")
 
 
-def test_bad_prompt_is_invalid_argument_naming_the_field_and_picks_nothing(via_envoy, router, envoy):
+def test_bad_request_is_invalid_argument_naming_the_field_and_picks_nothing(via_envoy, router, envoy):
     before = envoy.stats("cluster.kvroute_replicas.upstream_rq_total").get("cluster.kvroute_replicas.upstream_rq_total", 0)
     for request, field in [(gen_pb.GenerateRequest(), "prompt"), (ids_request([1, 100000, 2]), "prompt.token_ids"),
-                           (gen_pb.GenerateRequest(text=""), "prompt")]:
+                           (gen_pb.GenerateRequest(text=""), "prompt"),
+                           (ids_request([1, 2, 3], gen_pb.SamplingParams(max_tokens=0)), "max_tokens"),
+                           (ids_request([1] * 5000), "prompt")]:  # longer than the model holds
         with pytest.raises(grpc.RpcError) as err:
             list(via_envoy.GenerateStream(request, timeout=T))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
