@@ -2,7 +2,7 @@
 in one table with a verdict per goal.
 
     python bench/router.py [--decisions 2000] [--requests 300] [--skip-proxy | --proxy-only]
-                           [--bare aio,sync-st]
+                           [--bare aio,sync-st] [--no-envoy]
 
 - **decision overhead** (hash + lookup + score: ``Router.decide``) for 8k-token
   prompts over 64 replicas and 1M indexed (replica, block) entries. The index is built directly
@@ -25,6 +25,11 @@ in one table with a verdict per goal.
   handler forwarding to one client call, nothing else; designs in ``BARE_VARIANTS``) -- the floor of that kind of Python gRPC hop on
   this machine. Added = p50(side) - p50(direct), for the time to the first token and for the whole
   request. Goal: <= 1 ms at p50.
+- **Envoy in front** (unless ``--no-envoy``; bench/_gateway.py), in the same turns: the time to
+  first token added by (a) Envoy alone (the client names the replica in the destination header),
+  (b) Envoy + the kvroute endpoint picker (``kvroute up --gateway envoy``'s bootstrap), (c) the
+  Python proxy; then the router process's CPU seconds per 1,000 streamed requests through (b) and
+  (c), net of its idle rate. Goals: (b) adds <= 1 ms p50; (b) costs the router >= 3x less than (c).
 
 Why the router stays on grpc.aio: every Python hop adds, per message, one more loopback write and
 the wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import random
 import statistics
@@ -61,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from bench._common import busy_cores, print_table  # noqa: E402
+from bench._gateway import router_cpu_per_1000, start_gateways  # noqa: E402
 from bench._passthrough import BARE_VARIANTS, passthrough  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
@@ -190,17 +197,21 @@ def start(args: list[str], target: str, what: str, log: Path) -> subprocess.Pope
     return proc
 
 
-def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateRequest) -> tuple[float, float]:
+def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateRequest,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> tuple[float, float]:
     t0 = time.perf_counter()
     ttft = None
-    for _ in stub.GenerateStream(request, timeout=30):
+    for _ in stub.GenerateStream(request, timeout=30, metadata=metadata):
         if ttft is None:
             ttft = time.perf_counter() - t0
     return ttft or 0.0, time.perf_counter() - t0
 
 
-def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str]) -> dict[str, list[float]]:
-    """{side_ttft | side_total: milliseconds per request} for side = direct, routed, bare-VARIANT..."""
+def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str], gateways: bool
+                ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """({side_ttft | side_total: milliseconds per request} for side = direct, routed, bare-VARIANT...,
+    and with ``gateways`` envoy and picker (bench/_gateway.py); {side: router CPU s per 1,000 requests}
+    for routed and picker (empty without ``gateways``)."""
     with RedisServer() as redis_server:
         rport, xport = free_port(), free_port()
         replica = start(["-m", "replica", "--port", str(rport), "--redis-url", redis_server.url, "--replica-id",
@@ -216,8 +227,13 @@ def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str]) -> dict[str, li
                 procs.append(start([str(Path(__file__).resolve()), "--passthrough", str(bport), f"127.0.0.1:{rport}",
                                     "--variant", variant], f"127.0.0.1:{bport}", f"pass-through {variant}",
                                    tmp / f"passthrough-{variant}.log"))
-            channels = {side: grpc.insecure_channel(f"127.0.0.1:{p}") for side, p in targets.items()}
+            addresses = {side: f"127.0.0.1:{p}" for side, p in targets.items()}
             with contextlib.ExitStack() as stack:
+                metadata: dict[str, tuple[tuple[str, str], ...]] = {}
+                if gateways:
+                    more, metadata = start_gateways(stack, addresses["routed"], addresses["direct"], tmp)
+                    addresses.update(more)
+                channels = {side: grpc.insecure_channel(a) for side, a in addresses.items()}
                 for ch in channels.values():
                     stack.enter_context(ch)
                 stubs = {side: gen_grpc.GenerationServiceStub(ch) for side, ch in channels.items()}
@@ -236,15 +252,20 @@ def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str]) -> dict[str, li
                             raise
                         time.sleep(0.1)
                 for _ in range(30):
-                    for stub in stubs.values():
-                        timed_stream(stub, request)
+                    for side, stub in stubs.items():
+                        timed_stream(stub, request, metadata.get(side, ()))
                 out: dict[str, list[float]] = {f"{side}_{what}": [] for side in stubs for what in ("ttft", "total")}
                 for _ in range(n):  # in turn, so that drift and neighbours hit every side alike
                     for side, stub in stubs.items():
-                        ttft, total = timed_stream(stub, request)
+                        ttft, total = timed_stream(stub, request, metadata.get(side, ()))
                         out[f"{side}_ttft"].append(ttft * 1e3)
                         out[f"{side}_total"].append(total * 1e3)
-                return out
+                cpu = {}
+                if gateways:
+                    cpu = router_cpu_per_1000(procs[0].pid, {
+                        side: functools.partial(timed_stream, stubs[side], request) for side in ("direct", "routed", "picker")
+                    }, n)
+                return out, cpu
         finally:
             for proc in (*reversed(procs), replica):
                 proc.terminate()
@@ -262,6 +283,7 @@ def main() -> int:
     p.add_argument("--proxy-only", action="store_true", help="only the proxy's added latency")
     p.add_argument("--bare", default="aio,sync-st", help="bare pass-through designs measured next to the router,"
                    f" comma-separated ({', '.join(BARE_VARIANTS)}; '' for none)")
+    p.add_argument("--no-envoy", action="store_true", help="no Envoy sides (bench/_gateway.py)")
     p.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     p.add_argument("--variant", default="aio", choices=BARE_VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -300,8 +322,9 @@ def main() -> int:
         rows.append(("index memory per (replica, block) entry", f"{per_entry:.0f} B ({entries:,} entries)", "-", "-"))
 
     if not args.skip_proxy:
+        gateways = not args.no_envoy
         with tempfile.TemporaryDirectory(prefix="kvroute-bench-router-") as tmp:
-            lat = bench_proxy(args.requests, Path(tmp), bare)
+            lat, cpu = bench_proxy(args.requests, Path(tmp), bare, gateways)
         for what in ("ttft", "total"):
             d, r = (statistics.median(lat[f"{side}_{what}"]) for side in ("direct", "routed"))
             floors = ", ".join(f"{v} {statistics.median(lat[f'bare-{v}_{what}']) - d:+.2f}" for v in bare)
@@ -310,6 +333,17 @@ def main() -> int:
                          f"{r - d:+.2f} ms p50 (direct {d:.2f}, routed {r:.2f} ms"
                          + (f"; bare pass-through {floors})" if bare else ")"),
                          f"<= {GOAL_ADDED_MS:g} ms", verdict(r - d <= GOAL_ADDED_MS)))
+        if gateways:
+            d = statistics.median(lat["direct_ttft"])
+            added = {side: statistics.median(lat[f"{side}_ttft"]) - d for side in ("envoy", "picker", "routed")}
+            for side, label in (("envoy", "(a) Envoy alone"), ("picker", "(b) Envoy + kvroute picker"),
+                                ("routed", "(c) Python proxy")):
+                rows.append((f"TTFT added, {label}", f"{added[side]:+.2f} ms p50 (direct {d:.2f} ms)",
+                             f"<= {GOAL_ADDED_MS:g} ms" if side == "picker" else "-",
+                             verdict(added[side] <= GOAL_ADDED_MS) if side == "picker" else "-"))
+            ratio = cpu["routed"] / cpu["picker"] if cpu["picker"] > 0 else float("inf")
+            rows.append(("router CPU per 1,000 streamed requests", f"(b) picker {cpu['picker']:.2f} s, (c) proxy "
+                         f"{cpu['routed']:.2f} s: {ratio:.1f}x less", "(b) >= 3x less than (c)", verdict(ratio >= 3)))
 
     print(f"\nrouter benchmark: {NUM_REPLICAS} replicas, {NUM_ENTRIES / 1e6:g}M indexed entries, "
           f"{PROMPT_TOKENS}-token prompts ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm;"

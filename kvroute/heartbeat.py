@@ -33,7 +33,7 @@ class EngineLoad:
     queued_prefill_tokens: int = 0
 
 
-_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks")
+_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "max_waiting")
 _LOAD_INT_FIELDS = ("free_blocks", "running", "waiting", "queued_prefill_tokens")
 
 
@@ -49,6 +49,9 @@ class Heartbeat:
             attn_backend_reason: the replica's identity (:class:`kvroute.engine_info.EngineInfo`'s
             heartbeat part; the last two say which attention backend runs and why).
         load: the latest :class:`EngineLoad`.
+        max_waiting: the replica's waiting-queue bound (requests past it are refused with
+            RESOURCE_EXHAUSTED); 0 when the replica does not say. An endpoint picker sheds a request
+            (429) when every candidate's ``load.waiting`` has reached it.
         ts: the replica's wall clock when written (Unix seconds).
         invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse (those read as
             0); a heartbeat with any is not routable. Never written.
@@ -63,6 +66,7 @@ class Heartbeat:
     hash_algorithm: str = ""
     hash_seed_digest: str = ""
     num_blocks: int = 0
+    max_waiting: int = 0
     attn_backend: str = ""
     attn_backend_reason: str = ""
     load: EngineLoad = field(default_factory=EngineLoad)
@@ -72,14 +76,14 @@ class Heartbeat:
     @classmethod
     def of(
         cls, info: EngineInfo, *, replica_id: str, address: str, epoch: int, last_seq: int, load: EngineLoad,
-        ts: float,
+        ts: float, max_waiting: int = 0,
     ) -> Heartbeat:
         """The heartbeat of an engine described by ``info``."""
         return cls(
             replica_id=replica_id, address=address, epoch=epoch, last_seq=last_seq, model=info.model,
             block_size=info.block_size, hash_algorithm=info.hash_algorithm,
             hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, attn_backend=info.attn_backend,
-            attn_backend_reason=info.attn_backend_reason, load=load, ts=ts,
+            attn_backend_reason=info.attn_backend_reason, load=load, ts=ts, max_waiting=max_waiting,
         )
 
     @property
@@ -100,6 +104,7 @@ class Heartbeat:
             "hash_algorithm": self.hash_algorithm,
             "hash_seed_digest": self.hash_seed_digest,
             "num_blocks": str(self.num_blocks),
+            "max_waiting": str(self.max_waiting),
             "attn_backend": self.attn_backend,
             "attn_backend_reason": self.attn_backend_reason,
             "free_blocks": str(load.free_blocks),

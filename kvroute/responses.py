@@ -14,6 +14,14 @@ FINISH_REASONS = {
 }
 """A finished response's ``finish_reason`` by name (OpenAI's spelling, and the CLI's)."""
 
+MD_REPLICA = "x-kvroute-replica"
+"""Trailing metadata (HTTP: a response header) the router adds: the replica that served the call."""
+MD_PREDICTED = "x-kvroute-predicted-cached-tokens"
+"""Trailing metadata (HTTP: a response header) the router adds: the cached tokens it predicted there."""
+MD_CACHED_TOKENS = "x-kvroute-cached-tokens"
+"""Trailing metadata of a replica's generation call: ``usage.cached_tokens`` of its final message,
+for whoever sees the trailers but not the messages (an endpoint picker behind a gateway)."""
+
 
 async def concat_deltas(deltas: AsyncIterator[gen_pb.GenerateResponse]) -> gen_pb.GenerateResponse:
     """A stream of deltas as one unary response: all token ids, the full text, and the final

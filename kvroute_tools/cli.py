@@ -129,6 +129,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
+            gateway=args.gateway, gateway_port=args.gateway_port,
         )
     except ValueError as e:
         p.error(str(e))
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-dir", default="", help="where each process's log goes (default: a new temp folder)")
     u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     u.add_argument("--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    u.add_argument("--gateway", choices=("proxy", "envoy"), default="proxy",
+                   help="the cluster's front: the router's Python proxy (default), or a real Envoy with the router "
+                        "as its endpoint picker ({target} becomes Envoy's listener)")
+    u.add_argument("--gateway-port", type=int, default=0, help="--gateway envoy: Envoy's listener port (default 0: free)")
     u.set_defaults(func=_up, check=_check_up, after=[])
 
     g = sub.add_parser("generate", help="stream one generation from a router",

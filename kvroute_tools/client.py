@@ -19,6 +19,7 @@ from typing import TextIO
 import grpc
 
 from kvroute import responses
+from kvroute.responses import MD_PREDICTED, MD_REPLICA
 from kvroute.tls import open_channel
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -110,7 +111,8 @@ def stream_generate(
     parts: list[str] = []
     with open_channel(target, credentials) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
-        for resp in stub.GenerateStream(request, timeout=timeout):
+        call = stub.GenerateStream(request, timeout=timeout)
+        for resp in call:
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if resp.text:
@@ -120,6 +122,11 @@ def stream_generate(
                     out.flush()
             if resp.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
                 final = resp
+        trailers = dict(call.trailing_metadata() or ())
+    if final is not None and not final.HasField("routing") and MD_REPLICA in trailers:
+        # Behind a gateway the picker reports its pick in the trailers (router.picker).
+        final.routing.replica_id = trailers[MD_REPLICA]
+        final.routing.predicted_cached_tokens = int(trailers.get(MD_PREDICTED, "0") or 0)
     return StreamResult("".join(parts), final, ttft, time.perf_counter() - t0)
 
 

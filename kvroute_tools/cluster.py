@@ -8,6 +8,7 @@ machine (DESIGN.md §7), started in order and stopped in order.
              endpoint on a free port, ``metrics_urls``, printed in the banner)
           ─▶ ready: every grpc.health.v1 "readiness" SERVING, and the router sees all N replicas
              routable (RouterService.Score)
+          ─▶ --gateway envoy: Envoy (kvroute_tools.envoy) in front, the router as its endpoint picker
 
 Stopping (``LocalCluster.stop``, idempotent): SIGTERM to the router's and the replicas' process
 groups at once, wait, SIGKILL what is left; then the same for redis, last, so that the replicas'
@@ -43,10 +44,10 @@ from grpc_health.v1 import health_pb2_grpc
 from kvroute.process import dial_host
 from kvroute.redis_connect import connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
+from kvroute_tools.banner import EXAMPLE_PROMPT
+from kvroute_tools.envoy import EnvoyFront
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
-
-EXAMPLE_PROMPT = "The harbour town woke before the sun."
 
 
 class ClusterError(RuntimeError):
@@ -77,8 +78,14 @@ class ClusterConfig:
     ready_timeout: float = 300.0
     stop_timeout: float = 10.0
     python: str = sys.executable
+    gateway: str = "proxy"  # "envoy": Envoy in front, the router as its endpoint picker (kvroute_tools.envoy)
+    gateway_port: int = 0  # Envoy's listener; 0 = a free port
 
     def __post_init__(self) -> None:
+        if self.gateway not in ("proxy", "envoy"):
+            raise ValueError(f"--gateway: must be proxy or envoy, got {self.gateway!r}")
+        if not 0 <= self.gateway_port < 65536:
+            raise ValueError(f"--gateway-port: must be in 0..65535, got {self.gateway_port}")
         if self.replicas < 1:
             raise ValueError(f"--replicas: must be >= 1, got {self.replicas}")
         if not 0 <= self.router_port < 65536:
@@ -123,6 +130,7 @@ class LocalCluster:
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
         self.admin_token = ""  # the token in it
+        self.envoy: EnvoyFront | None = None  # --gateway envoy
         self.metrics_urls: dict[str, str] = {}  # process name -> http://host:port/metrics (with metrics)
         self.model_dir = config.model
         self._stopped = False
@@ -133,8 +141,14 @@ class LocalCluster:
         return self.router.target if self.router is not None else ""
 
     @property
+    def front_target(self) -> str:
+        """Where clients go: Envoy's listener with ``--gateway envoy``, else the router."""
+        return self.envoy.target if self.envoy is not None else self.router_target
+
+    @property
     def children(self) -> list[Child]:
-        return [c for c in (self.redis, *self.replicas, self.router) if c is not None]
+        envoy = self.envoy.child if self.envoy is not None else None
+        return [c for c in (self.redis, *self.replicas, self.router, envoy) if c is not None]
 
     # -- start -----------------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -170,6 +184,14 @@ class LocalCluster:
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
             self._wait_routable(deadline)
+            if cfg.gateway == "envoy":
+                self.envoy = EnvoyFront(self.router_target, host=cfg.host, port=cfg.gateway_port,
+                                        folder=self.log_dir)
+                try:
+                    self.envoy.start(max(deadline - time.monotonic(), 5.0))
+                except (FileNotFoundError, RuntimeError) as e:
+                    raise ClusterError(str(e)) from e
+                self.log(f"  envoy ready ({self.envoy.target})", flush=True)
         except BaseException:
             self.stop()
             raise
@@ -377,6 +399,8 @@ class LocalCluster:
         self._stopped = True
         with contextlib.suppress(ValueError):
             atexit.unregister(self.stop)
+        if self.envoy is not None:  # the front first: no new call reaches a stopping router
+            self.envoy.stop()
         stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
         if self.redis is not None:
             stop_all([self.redis], 5.0)

@@ -9,17 +9,15 @@ one orderly stop that a second signal cannot cut short.
 
 from __future__ import annotations
 
-import json
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from kvroute.redis_connect import redact
-from kvroute_tools.cluster import EXAMPLE_PROMPT, ClusterConfig, ClusterError, LocalCluster
+from kvroute_tools.banner import banner_text
+from kvroute_tools.cluster import ClusterConfig, ClusterError, LocalCluster
 from kvroute_tools.supervise import pdeathsig_preexec
 
 
@@ -32,47 +30,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
-    """The command with ``{target}`` (the router's host:port), ``{http_url}`` (its OpenAI-compatible
-    HTTP API, ``http://host:port/v1``), ``{redis_url}`` and ``{admin_token_file}`` (the file holding
-    the router's admin token, for SetPolicy) filled in."""
-    return [a.replace("{target}", cluster.router_target).replace("{http_url}", cluster.router_http_url)
+    """The command with ``{target}`` (the front's host:port: Envoy's listener with ``--gateway envoy``,
+    else the router's), ``{http_url}`` (its OpenAI-compatible HTTP API, ``http://host:port/v1``),
+    ``{redis_url}`` and ``{admin_token_file}`` (the file holding the router's admin token, for
+    SetPolicy) filled in."""
+    return [a.replace("{target}", cluster.front_target).replace("{http_url}", cluster.router_http_url)
             .replace("{redis_url}", cluster.redis_url).replace("{admin_token_file}", str(cluster.admin_token_file))
             for a in command]
-
-
-def banner(cluster: LocalCluster) -> str:
-    """What `kvroute up` prints once the cluster is ready: every process, the admin token file, examples."""
-    t = cluster.router_target
-
-    def metrics(name: str) -> str:
-        url = cluster.metrics_urls.get(name)
-        return f"  metrics {url}" if url else ""
-
-    lines = [
-        f"kvroute up: {len(cluster.replicas)} replicas and a router are ready (logs in {cluster.log_dir})",
-        f"  {'router':<11} {t:<22} pid {cluster.router.pid if cluster.router else '-'}{metrics('router')}",
-    ]
-    for c in cluster.replicas:
-        lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}{metrics(c.name)}")
-    if cluster.redis is not None:
-        lines.append(f"  {'redis':<11} {cluster.redis_url:<22} pid {cluster.redis.pid} (embedded)")
-    else:
-        lines.append(f"  {'redis':<11} {redact(cluster.redis_url)}")
-    lines.append(f"  model       {cluster.model_dir}")
-    lines.append(f"  admin token {cluster.admin_token_file} (SetPolicy: kvroute bench --admin-token-file)")
-    lines += [
-        "Try:",
-        f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",
-        f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\", \"sampling\": {{\"max_tokens\": 16}}}}' "
-        f"{t} kvroute.v1.GenerationService/GenerateStream",
-        f"  kvroute bench --target {t} --requests 200",
-    ]
-    if cluster.router_http_url:
-        lines.insert(-4, f"  openai      {cluster.router_http_url} (the router's OpenAI-compatible HTTP API)")
-        body = json.dumps({"model": Path(cluster.model_dir).name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
-        lines.append(f"  curl {cluster.router_http_url}/completions -H 'Content-Type: application/json' -d '{body}'")
-    return "\n".join(lines)
-
 
 
 def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:
@@ -101,7 +65,7 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
             print(f"kvroute up: {e}", file=sys.stderr, flush=True)
             return 1
         started = True
-        log(banner(cluster), flush=True)
+        log(banner_text(cluster), flush=True)
         log(f"kvroute up: ready in {time.monotonic() - t0:.1f} s"
             + ("" if command else "; Ctrl-C (or SIGTERM) stops everything"), flush=True)
         if command:

@@ -35,7 +35,7 @@ import grpc
 from kvroute.engine_info import EngineInfo
 from kvroute.grpc_errors import RpcError, call_outcome
 from kvroute.prompt import prompt_ids
-from kvroute.responses import concat_deltas
+from kvroute.responses import MD_CACHED_TOKENS, concat_deltas
 from kvroute.telemetry import extract_context
 from kvroute.tokenizer import Tokenizer
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -256,7 +256,10 @@ class ReplicaFrontend:
                         call.first_token_ns = time.time_ns()
                     if out.finished:
                         final = out
-                        yield final_response(out)
+                        resp = final_response(out)
+                        # For a gateway's endpoint picker, which sees the trailers, not the messages.
+                        context.set_trailing_metadata(((MD_CACHED_TOKENS, str(resp.usage.cached_tokens)),))
+                        yield resp
                     elif out.new_token_ids or out.text:
                         yield delta_response(rid, out)
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is

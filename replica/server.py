@@ -136,7 +136,8 @@ def _make_publisher(
     return make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
         heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
-        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, auth=RedisAuth.from_settings(s),
+        buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, max_waiting=s.max_waiting,
+        auth=RedisAuth.from_settings(s),
     )
 
 

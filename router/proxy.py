@@ -56,7 +56,7 @@ import grpc
 
 from kvroute.grpc_errors import call_outcome, deadline_expired
 from kvroute.prompt import InvalidRequestError, PromptTokenizer
-from kvroute.responses import concat_deltas
+from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
 from kvroute.sampling import sampling_params_from_proto, validate_request
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -85,8 +85,6 @@ GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["GenerationService"].ful
 ROUTER_SERVICE = router_pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 REPLICA_STREAM_METHOD = "kvroute.v1.ReplicaService/GenerateStream"
 
-MD_REPLICA = "x-kvroute-replica"
-MD_PREDICTED = "x-kvroute-predicted-cached-tokens"
 
 # Replica statuses that mean "this replica cannot take the call now", worth another replica.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -165,6 +163,20 @@ class Proxy:
         log.info("routing policy is now %s", policy.name)
         return policy.name
 
+    def checked_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids, the whole request validated as a replica would (given ids against
+        the vocabulary, sampling values and length against the replicas' model limits).
+
+        Raises:
+            InvalidRequestError: the field at fault (before anything is routed).
+        """
+        ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+        sampling = request.sampling if request.HasField("sampling") else None
+        vocab_size, max_model_len = self.limits.current
+        validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
+                         max_model_len=max_model_len, check_ids=False)
+        return ids
+
     # -- the proxied call --------------------------------------------------------------------------
     async def stream(
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext, *, method: str,
@@ -192,11 +204,8 @@ class Proxy:
         error: tuple[str, str] | None = None
         attempts: list[tuple[Decision, str | None]] = []  # (decision, the status it failed with)
         try:
-            ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+            ids = self.checked_ids(request)
             sampling = request.sampling if request.HasField("sampling") else None
-            vocab_size, max_model_len = self.limits.current
-            validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
-                             max_model_len=max_model_len, check_ids=False)
             upstream_request = rep_pb.ReplicaGenerateRequest(
                 request_id=request.request_id, token_ids=ids, cache_salt=request.cache_salt, sampling=sampling,
             )

@@ -41,7 +41,8 @@ DISCOVERY_MODES = ("static", "redis", "kubernetes")
 @dataclass(frozen=True)
 class ReplicaInfo:
     """One replica as of its last :class:`kvroute.heartbeat.Heartbeat` (its fields, the load flattened)
-    and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds."""
+    and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds when it read
+    the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds)."""
 
     replica_id: str
     address: str = ""
@@ -55,9 +56,11 @@ class ReplicaInfo:
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
+    max_waiting: int = 0  # the replica's waiting-queue bound (0: not said)
     usage: float = 0.0
     queued_prefill_tokens: int = 0
     heartbeat_at: float = 0.0
+    written_at: float = 0.0
     discovered: bool = False
     routable: bool = False
     reason: str = ""  # why it is not routable ("" when it is)
@@ -131,8 +134,8 @@ class ReplicaRegistry:
             model=heartbeat.model, hash_algorithm=heartbeat.hash_algorithm,
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
             num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
-            waiting=load.waiting, usage=load.usage, queued_prefill_tokens=load.queued_prefill_tokens,
-            heartbeat_at=now,
+            waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
+            queued_prefill_tokens=load.queued_prefill_tokens, heartbeat_at=now, written_at=heartbeat.ts,
         )
         with self._lock:
             old = self._replicas.get(replica_id)

@@ -1,4 +1,5 @@
-"""The router process: consumer + index + registry + discovery + load sync + gRPC proxy, health,
+"""The router process: consumer + index + registry + discovery + load sync + gRPC proxy, the
+Gateway API Inference Extension endpoint picker (Envoy ext_proc, router.picker; same port), health,
 reflection and telemetry (DESIGN.md §5, §6), and the OpenAI-compatible HTTP API (``http_port``;
 router.http_api).
 
@@ -23,6 +24,7 @@ import threading
 from typing import Any
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -46,6 +48,7 @@ from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, Sta
 from router.http_api import router_http_app
 from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
+from router.picker.servicer import EndpointPicker
 from router.proxy import Proxy
 from router.registry import ReplicaRegistry
 from router.scoring import Policy, make_policy
@@ -185,6 +188,11 @@ class RouterServer:
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
         add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy, admin_token))
+        # The endpoint picker on the same port: an InferencePool's endpointPickerRef (or Envoy's
+        # ext_proc cluster) names the router's gRPC Service port.
+        # (Envoy's generated registration: the picker answers every message itself, no error boundary.)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks),
+                                                              server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)

@@ -13,6 +13,7 @@ from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
+from router.picker.servicer import EXT_PROC_SERVICE
 from router.proxy import GENERATION_SERVICE, ROUTER_SERVICE, Proxy, classify_error
 
 _boundary = error_boundary(classify_error)
@@ -70,7 +71,7 @@ class RouterServicer(router_grpc.RouterServiceServicer):
 
 def service_names() -> Sequence[str]:
     """Full names of the services the router serves (health statuses, reflection)."""
-    return (GENERATION_SERVICE, ROUTER_SERVICE)
+    return (GENERATION_SERVICE, ROUTER_SERVICE, EXT_PROC_SERVICE)
 
 
 __all__ = ["GenerationServicer", "RouterServicer", "service_names"]

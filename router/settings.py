@@ -64,6 +64,9 @@ class RouterSettings:
     replica_tls_key_file: str = setting("", "client private key (PEM) for replica_tls_cert_file")
     admin_token: str = setting("", "bearer token RouterService.SetPolicy requires (empty = SetPolicy off)", secret=True)
     admin_token_file: str = setting("", "file whose first line is the admin token")
+    picker_fallbacks: int = setting(
+        0, "endpoint picker: next-best endpoints listed after the pick (0 for Envoy's ORIGINAL_DST, which takes one)"
+    )
 
     @property
     def resolved_router_id(self) -> str:

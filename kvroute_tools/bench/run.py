@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.responses import MD_PREDICTED, MD_REPLICA
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -126,7 +127,8 @@ async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, ti
     first = last = None
     final = None
     try:
-        async for resp in cluster.gen.GenerateStream(req, timeout=timeout):
+        call = cluster.gen.GenerateStream(req, timeout=timeout)
+        async for resp in call:
             now = time.perf_counter()
             if resp.token_ids:
                 first = first if first is not None else now
@@ -144,6 +146,10 @@ async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, ti
     res.measured(t0, first, last, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
     res.replica_id = final.routing.replica_id
     res.predicted_cached_tokens = final.routing.predicted_cached_tokens
+    if not res.replica_id:  # behind a gateway the picker reports the pick in the trailers instead
+        md = dict(await call.trailing_metadata() or ())
+        res.replica_id = md.get(MD_REPLICA, "")
+        res.predicted_cached_tokens = int(md.get(MD_PREDICTED, "0") or 0)
     return res
 
 

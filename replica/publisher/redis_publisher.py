@@ -79,6 +79,7 @@ class RedisEventPublisher(EventPublisher):
         buffer_size: event batches held while Redis is slow or down; more are dropped.
         stream_maxlen: approximate MAXLEN of the event stream.
         auth: the Redis credentials (kvroute.redis_connect; default none).
+        max_waiting: the replica's waiting-queue bound, for the heartbeat (0: not said).
 
     Raises:
         ValueError: a non-positive interval / size.
@@ -100,6 +101,7 @@ class RedisEventPublisher(EventPublisher):
         buffer_size: int = 10000,
         stream_maxlen: int = 100000,
         auth: RedisAuth | None = None,
+        max_waiting: int = 0,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
@@ -112,7 +114,7 @@ class RedisEventPublisher(EventPublisher):
         self.epoch = time.time_ns() if epoch is None else int(epoch)
         self._heartbeat = Heartbeat.of(
             info, replica_id=replica_id, address=address, epoch=self.epoch, last_seq=0,
-            load=EngineLoad(free_blocks=max(info.num_blocks - 1, 0)), ts=0.0,
+            load=EngineLoad(free_blocks=max(info.num_blocks - 1, 0)), ts=0.0, max_waiting=max_waiting,
         )
         self.heartbeat_interval = heartbeat_interval
         self.snapshot_interval = snapshot_interval

