@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import re
+import socket
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,10 @@ import jsonschema
 import yaml
 
 from kvroute_tools.envoy import bootstrap, envoy_binary
+from kvroute_tools.redis_server import free_port
 from tests.deploy.chart import FULLNAME, NAMESPACE, container, find, notes, pod_spec, render
 from tests.deploy.envoy_chart import BOOTSTRAP_FILE, file_text
+from tests.support import wait_for
 
 ROUTER, REPLICA, ENVOY = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-envoy"
 DATA = Path(__file__).resolve().parent / "data"
@@ -101,6 +106,39 @@ def test_the_real_envoy_accepts_the_rendered_bootstrap(tmp_path):
     bad = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def test_the_kubelets_ready_listener_answers_ready_and_nothing_else_of_the_admin(tmp_path):
+    """The rendered bootstrap run by the real Envoy: the probe's port gives the admin's /ready
+    (LIVE), no other admin path, and the admin itself answers on 127.0.0.1 only."""
+    ports = {"port": free_port(), "adminPort": free_port(), "readyPort": free_port()}
+    path = tmp_path / "envoy.json"
+    path.write_text(find(render({"gateway": {"mode": "envoy", "envoy": ports}}), "ConfigMap", ENVOY)["data"]["envoy.json"])
+    with (tmp_path / "envoy.log").open("w") as log:
+        proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
+                                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        ready = f"http://127.0.0.1:{ports['readyPort']}"
+        wait_for(lambda: _get(f"{ready}/ready")[0] == 200 or proc.poll() is not None, timeout=30, what="envoy ready")
+        assert proc.poll() is None, (tmp_path / "envoy.log").read_text()[-2000:]
+        assert _get(f"{ready}/ready") == (200, "LIVE\n")
+        assert _get(f"{ready}/stats")[0] == 404 and _get(f"{ready}/quitquitquit")[0] == 404
+        assert _get(f"http://127.0.0.1:{ports['adminPort']}/ready") == (200, "LIVE\n")
+        with socket.socket() as s:  # another loopback address: the admin is not bound there
+            assert s.connect_ex(("127.0.0.2", ports["adminPort"])) != 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_the_envoy_image_is_the_envoy_of_the_wheel_kvroute_up_runs():
