@@ -220,6 +220,7 @@ def test_up_with_envoy_in_front_generates_through_the_picker(tmp_path, default_m
                       re.M)
     assert envoy, proc.stdout
     assert f"--target {envoy.group(1)}" in proc.stdout  # {target} is Envoy's listener
-    assert "completion 4" in proc.stdout and "replica-0 (?)" in proc.stdout  # the pick, from the trailers
+    summary = proc.stderr  # kvroute generate's summary line
+    assert "completion 4" in summary and "replica-0 (?)" in summary, summary  # the pick, from the trailers
     assert (tmp_path / "envoy.json").is_file() and envoy.group(3) == str(tmp_path / "envoy.log")
     assert "kvroute up: stopped 4 processes" in proc.stdout
