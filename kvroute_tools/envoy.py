@@ -91,6 +91,7 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "@type": _EXT_PROC,
         "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_router"}, "timeout": timeout},
         "failure_mode_allow": False,
+        "status_on_error": {"code": 503},  # the picker unreachable: UNAVAILABLE for gRPC clients, not UNKNOWN
         "message_timeout": timeout,
         "processing_mode": {
             # The request headers are sent (with headers skipped Envoy lets them go upstream, and
