@@ -3,15 +3,16 @@ the chart test that runs the chart (``from tests.deploy.local_pods import ...``)
 
     rendered Deployment / StatefulSet ──▶ LocalPod(name, ip, template)  one loopback IP per pod
         initContainers then containers  ──▶ subprocesses with the container's command, args and env
-        probes (grpc / tcpSocket)       ──▶ run exactly as declared, against the pod IP
+        probes (grpc / tcpSocket / httpGet) ─▶ run exactly as declared, against the pod IP
     rendered Services                   ──▶ DNS names → a ready pod's IP (ports unchanged)
     the replica headless Service        ──▶ EndpointSlices (ready / serving / terminating) on a
                                              loopback API server (tests.support_kube.FakeKubeAPI)
 
 What a kubelet does and is done here too: ``$(VAR)`` expansion in env values and args, env from
 ``fieldRef`` (pod name, namespace, IP) and ``secretKeyRef`` (the rendered Secrets), volumes
-(emptyDir and Secret volumes become folders; mount paths in env values and args are mapped to
-them). A pod has its own IP: a process listening on ``0.0.0.0`` in a pod listens on that IP here.
+(emptyDir, Secret and ConfigMap volumes become folders; mount paths in env values and args are
+mapped to them; in a ConfigMap's files a quoted ``"0.0.0.0"`` is the pod's IP and a quoted Service
+name its IP, as DNS would answer). A pod has its own IP: a process listening on ``0.0.0.0`` in a pod listens on that IP here.
 Nothing from this process's environment reaches a container but PATH, PYTHONPATH, HOME and the
 KUBECONFIG of the fake API server (a pod's service account access).
 """
@@ -19,17 +20,22 @@ KUBECONFIG of the fake API server (a pod's service account access).
 from __future__ import annotations
 
 import base64
+import contextlib
+import random
 import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvroute_tools.envoy import envoy_binary
 from kvroute_tools.redis_server import find_redis_server
+from tests.support_kube import FakeKubeAPI
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -44,6 +50,8 @@ def program(command: list[str]) -> list[str]:
         return [sys.executable, *rest]
     if head == "redis-server":
         return [find_redis_server(), *rest]
+    if head == "envoy":
+        return [envoy_binary(), *rest]
     raise AssertionError(f"no local program for the image's {head!r}")
 
 
@@ -83,17 +91,18 @@ class LocalPod:
             return port
         return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
 
-    def volume_dirs(self, secrets: dict[str, dict[str, str]]) -> dict[str, Path]:
-        """Volume name -> folder (emptyDir: empty; Secret: its keys as files)."""
+    def volume_dirs(self, secrets: dict[str, dict[str, str]], configmaps: dict[str, dict[str, str]]) -> dict[str, Path]:
+        """Volume name -> folder (emptyDir: empty; Secret, ConfigMap: their keys as files)."""
         out = {}
         for v in self.spec.get("volumes", []):
             path = self.root / "volumes" / v["name"]
             path.mkdir(parents=True, exist_ok=True)
-            if "secret" in v:
-                for key, value in secrets[v["secret"]["secretName"]].items():
+            if "secret" in v or "configMap" in v:
+                data = secrets[v["secret"]["secretName"]] if "secret" in v else configmaps[v["configMap"]["name"]]
+                for key, value in data.items():
                     (path / key).write_text(value)
             else:
-                assert "emptyDir" in v, f"{self.name}: volume {v['name']} is neither emptyDir nor Secret"
+                assert "emptyDir" in v, f"{self.name}: volume {v['name']} is neither emptyDir, Secret nor ConfigMap"
             out[v["name"]] = path
         return out
 
@@ -154,6 +163,14 @@ class LocalCluster:
             text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?=:\d)", ip, text)  # host:port only
         return text
 
+    def configmaps(self, pod: LocalPod) -> dict[str, dict[str, str]]:
+        """The rendered ConfigMaps as this pod reads them: quoted ``"0.0.0.0"`` -> the pod's IP,
+        quoted Service names -> their IPs."""
+        names = {f'"{name}"': f'"{ip}"' for name, ip in self.dns().items()} | {'"0.0.0.0"': f'"{pod.ip}"'}
+        pattern = re.compile("|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)))
+        return {d["metadata"]["name"]: {k: pattern.sub(lambda m: names[m.group(0)], v) for k, v in d["data"].items()}
+                for d in self.docs if d["kind"] == "ConfigMap" and "data" in d}
+
     def container_env(self, pod: LocalPod, c: dict, mounts: dict[str, Path]) -> dict[str, str]:
         env: dict[str, str] = {}
         for e in c.get("env", []):
@@ -172,7 +189,7 @@ class LocalCluster:
 
     def start(self, pod: LocalPod, *, init_timeout: float = 180.0) -> None:
         """Run the init containers to completion (each must exit 0), then start the containers."""
-        vols = pod.volume_dirs(self.secrets)
+        vols = pod.volume_dirs(self.secrets, self.configmaps(pod))
         for c in pod.spec.get("initContainers", []):
             proc = self._spawn(pod, c, vols)
             try:
@@ -238,6 +255,13 @@ class LocalCluster:
             except OSError:
                 return False
             return True
+        if "httpGet" in p:
+            url = f"http://{pod.ip}:{pod.port(c, p['httpGet']['port'])}{p['httpGet'].get('path', '/')}"
+            try:
+                with urllib.request.urlopen(url, timeout=p.get("timeoutSeconds", 1)) as r:
+                    return 200 <= r.status < 400
+            except OSError:
+                return False
         raise AssertionError(f"{pod.name}/{container}: {kind} of an unknown kind: {p}")
 
     def wait_started_and_ready(self, pod: LocalPod, container: str) -> None:
@@ -301,3 +325,18 @@ def write_kubeconfig(path: Path, server: str) -> Path:
         "users:\n- name: local\n  user: {}\n"
     )
     return path
+
+
+@contextlib.contextmanager
+def local_cluster(docs: list[dict], namespace: str, root: Path):
+    """A :class:`LocalCluster` of ``docs`` on a random loopback subnet, with its loopback API
+    server (a :class:`tests.support_kube.FakeKubeAPI`); yields ``(cluster, api)``, stops both."""
+    api = FakeKubeAPI(namespace=namespace)
+    subnet = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}"
+    local = LocalCluster(docs, namespace, root, subnet,
+                         write_kubeconfig(root / "kubeconfig", f"http://127.0.0.1:{api.port}"))
+    try:
+        yield local, api
+    finally:
+        local.stop_all()
+        api.close()

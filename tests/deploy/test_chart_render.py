@@ -1,6 +1,6 @@
 """The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
 existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
-discovery): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
+discovery, the envoy and inferencePool gateway modes): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
 (kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
 in strict mode, and the chart's contract with the code holds (appVersion, setting names)."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -32,7 +31,9 @@ from tests.deploy.chart import (
 
 K8S_VERSIONS = ("1.29.0", "1.33.0")
 ROUTER, REPLICA, REDIS = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-redis"
-CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas: checked field by field below
+# Not in the Kubernetes schemas: ServiceMonitor checked field by field below, InferencePool and
+# HTTPRoute against their published CRDs in test_chart_gateway.py.
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute"}
 
 MATRIX = {
     "defaults": {},
@@ -48,6 +49,8 @@ MATRIX = {
     "three-routers-hpa": {"router": {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}}},
     "discovery-kubernetes": {"router": {"discovery": "kubernetes"}},
     "discovery-static": {"router": {"discovery": "static"}, "replica": {"replicas": 2}},
+    "gateway-envoy": {"gateway": {"mode": "envoy"}},
+    "gateway-inference-pool": {"gateway": {"mode": "inferencePool"}, "router": {"discovery": "redis"}},
 }
 
 
@@ -239,9 +242,10 @@ def test_notes_tell_how_to_reach_and_try_the_router():
     assert "grpcurl -plaintext" in text and "kvroute.v1.GenerationService/GenerateStream" in text
 
 
-def test_the_chart_lints_clean_in_strict_mode():
+@pytest.mark.parametrize("mode", ["proxy", "envoy", "inferencePool"])
+def test_the_chart_lints_clean_in_strict_mode(mode):
     for version in ("v1.29.0", "v1.33.0"):
-        report = helm.lint(str(CHART_DIR), strict=True, kube_version=version)
+        report = helm.lint(str(CHART_DIR), {"gateway": {"mode": mode}}, strict=True, kube_version=version)
         assert report["errors"] == []
         worse_than_info = [m for m in report["messages"] if m["severity"] >= 2]
         assert worse_than_info == [], worse_than_info
@@ -292,11 +296,10 @@ def test_every_values_key_is_documented_helm_docs_style():
     assert undocumented == []
 
 
-def test_the_gateway_mode_key_is_there_with_proxy_only():
+def test_the_gateway_modes_are_proxy_envoy_and_inference_pool_with_proxy_the_default():
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
-    assert schema["properties"]["gateway"]["properties"]["mode"]["enum"] == ["proxy"]
-    assert yaml.safe_load((CHART_DIR / "values.yaml").read_text())["gateway"] == {"mode": "proxy"}
-    assert Path(CHART_DIR / "values.schema.json").is_file()
+    assert schema["properties"]["gateway"]["properties"]["mode"]["enum"] == ["proxy", "envoy", "inferencePool"]
+    assert yaml.safe_load((CHART_DIR / "values.yaml").read_text())["gateway"]["mode"] == "proxy"
 
 
 def test_a_setting_the_programs_do_not_read_is_caught():

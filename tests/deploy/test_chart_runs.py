@@ -13,7 +13,6 @@ fails its probe, and a KVROUTE_* variable they do not read is caught by ``unknow
 
 from __future__ import annotations
 
-import random
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,9 +26,8 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute_tools.health import check_health
 from tests.deploy.chart import FULLNAME, NAMESPACE, find, render, unknown_kvroute_env
-from tests.deploy.local_pods import LocalCluster, write_kubeconfig
+from tests.deploy.local_pods import local_cluster
 from tests.support import wait_for
-from tests.support_kube import FakeKubeAPI
 
 pytestmark = pytest.mark.slow  # about 1-2 minutes on two cores: four model generations, two engines
 
@@ -56,16 +54,8 @@ def _metric(ip: str, port: int, name: str) -> float:
 
 @pytest.fixture
 def cluster(tmp_path):
-    docs = render(VALUES)
-    api = FakeKubeAPI(namespace=NAMESPACE)
-    subnet = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}"
-    local = LocalCluster(docs, NAMESPACE, tmp_path, subnet,
-                         write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{api.port}"))
-    try:
+    with local_cluster(render(VALUES), NAMESPACE, tmp_path) as (local, api):
         yield local, api
-    finally:
-        local.stop_all()
-        api.close()
 
 
 def test_the_rendered_release_runs_routes_and_drains(cluster):

@@ -39,5 +39,15 @@ def test_a_misspelt_key_is_rejected_naming_it():
     assert "'replicaz'" in _rejection({"router": {"replicaz": 3}})
 
 
-def test_a_gateway_mode_not_built_yet_is_rejected():
-    assert "at '/gateway/mode'" in _rejection({"gateway": {"mode": "envoy"}})
+def test_an_unknown_gateway_mode_is_rejected_naming_the_key():
+    message = _rejection({"gateway": {"mode": "nginx"}})
+    assert "at '/gateway/mode': value must be one of 'proxy', 'envoy', 'inferencePool'" in message
+
+
+def test_a_gateway_mode_that_dials_pod_ips_rejects_static_discovery():
+    # Envoy's ORIGINAL_DST and an InferencePool's gateway dial the pod IP the picker names.
+    for mode in ("envoy", "inferencePool"):
+        message = _rejection({"gateway": {"mode": mode}, "router": {"discovery": "static"}})
+        assert "at '/router/discovery': value must be one of 'kubernetes', 'redis'" in message
+    assert render({"gateway": {"mode": "envoy"}, "router": {"discovery": "redis"}})
+    assert render({"router": {"discovery": "static"}})  # the proxy dials names

@@ -250,3 +250,33 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
 {{- end }}
 {{- join "," $addrs }}
 {{- end }}
+
+{{/* Resource names of the gateway parts. */}}
+{{- define "kvroute.envoy.name" -}}{{ include "kvroute.fullname" . | trunc 57 | trimSuffix "-" }}-envoy{{- end }}
+{{- define "kvroute.inferencePool.name" -}}{{ default (include "kvroute.fullname" .) .Values.gateway.inferencePool.name }}{{- end }}
+
+{{/* Envoy's bootstrap (JSON): files/envoy-bootstrap.json, which is kvroute_tools.envoy.bootstrap's
+output (tests/deploy/envoy_chart.py writes it), with the release's addresses put in, and a
+listener for the kubelet that answers only /ready, from the admin's /ready (the admin itself
+stays on 127.0.0.1). */}}
+{{- define "kvroute.envoy.bootstrap" -}}
+{{- $e := .Values.gateway.envoy }}
+{{- $b := .Files.Get "files/envoy-bootstrap.json" | fromJson }}
+{{- $sr := index $b "static_resources" }}
+{{- $_ := set (index $b "admin" "address" "socket_address") "address" "127.0.0.1" }}
+{{- $_ = set (index $b "admin" "address" "socket_address") "port_value" (int $e.adminPort) }}
+{{- $front := index $sr "listeners" 0 "address" "socket_address" }}
+{{- $_ = set $front "address" "0.0.0.0" }}
+{{- $_ = set $front "port_value" (int $e.port) }}
+{{- $router := index $sr "clusters" 0 "load_assignment" "endpoints" 0 "lb_endpoints" 0 "endpoint" "address" "socket_address" }}
+{{- $_ = set $router "address" (printf "%s.%s.svc" (include "kvroute.router.name" .) .Release.Namespace) }}
+{{- $_ = set $router "port_value" (int .Values.router.service.port) }}
+{{- $ready := dict "name" "ready" "address" (dict "socket_address" (dict "address" "0.0.0.0" "port_value" (int $e.readyPort))) }}
+{{- $readyRoute := dict "match" (dict "path" "/ready") "route" (dict "cluster" "envoy_admin") }}
+{{- $readyHcm := dict "@type" "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager" "stat_prefix" "ready" "route_config" (dict "name" "ready" "virtual_hosts" (list (dict "name" "ready" "domains" (list "*") "routes" (list $readyRoute)))) "http_filters" (list (dict "name" "envoy.filters.http.router" "typed_config" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"))) }}
+{{- $_ = set $ready "filter_chains" (list (dict "filters" (list (dict "name" "envoy.filters.network.http_connection_manager" "typed_config" $readyHcm)))) }}
+{{- $admin := dict "name" "envoy_admin" "type" "STATIC" "connect_timeout" "1s" "load_assignment" (dict "cluster_name" "envoy_admin" "endpoints" (list (dict "lb_endpoints" (list (dict "endpoint" (dict "address" (dict "socket_address" (dict "address" "127.0.0.1" "port_value" (int $e.adminPort))))))))) }}
+{{- $_ = set $sr "listeners" (append (index $sr "listeners") $ready) }}
+{{- $_ = set $sr "clusters" (append (index $sr "clusters") $admin) }}
+{{- toPrettyJson $b }}
+{{- end }}
