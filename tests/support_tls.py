@@ -40,8 +40,9 @@ class TestCA:
         self.file = folder / f"{name}.pem"
         self.file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, cn: str) -> tuple[str, str]:
-        """(cert file, key file) of a leaf valid for 127.0.0.1 and localhost, as server and client."""
+    def issue(self, cn: str, dns_names: tuple[str, ...] = ()) -> tuple[str, str]:
+        """(cert file, key file) of a leaf valid for 127.0.0.1, localhost and ``dns_names``, as server
+        and client."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
@@ -49,7 +50,8 @@ class TestCA:
                 .not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=1))
                 .add_extension(x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                    x509.DNSName("localhost"), *map(x509.DNSName, dns_names),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .sign(self.key, hashes.SHA256()))
         cert_file, key_file = self.folder / f"{cn}.crt", self.folder / f"{cn}.key"

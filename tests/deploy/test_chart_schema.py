@@ -41,3 +41,10 @@ def test_a_misspelt_key_is_rejected_naming_it():
 
 def test_a_gateway_mode_not_built_yet_is_rejected():
     assert "at '/gateway/mode'" in _rejection({"gateway": {"mode": "envoy"}})
+
+
+def test_tls_enabled_without_its_secret_is_rejected_naming_the_key():
+    assert "at '/tls/existingSecret'" in _rejection({"tls": {"enabled": True}})
+    assert "at '/tls/existingSecret'" in _rejection({"tls": {"enabled": True, "existingSecret": ""}})
+    assert render({"tls": {"enabled": True, "existingSecret": "kvr-tls"}})
+    assert "'mutal'" in _rejection({"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutal": True}})
