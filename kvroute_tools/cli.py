@@ -17,7 +17,9 @@ torch (DESIGN.md §1).
                                                  becomes the router's host:port) -- kvroute_tools.up
     kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute_tools.client
     kvroute health --target H:P                  exit 0 when the router is ready and has a routable
-                                                 replica, else 1 with the reason -- kvroute_tools.health
+                                                 replica, else 1 with the reason; --service NAME checks
+                                                 one health service of a router or replica (TLS flags
+                                                 as generate's) -- kvroute_tools.health
     kvroute bench [--trace F] [--target H:P]     replay a Mooncake trace through a running cluster per
                                                  routing policy and print the table -- kvroute_tools.bench
 
@@ -88,7 +90,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from kvroute_tools.health import health_main
 
-    return health_main(args.target, args.timeout)
+    return health_main(args.target, args.timeout, service=args.service, credentials=args.credentials,
+                       server_name=args.tls_server_name)
 
 
 def _check_health(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -100,6 +103,9 @@ def _check_health(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(e))
     if not args.timeout > 0:
         p.error(f"--timeout: must be > 0, got {args.timeout}")
+    if args.tls_server_name and not args.tls_ca_file:
+        p.error("--tls-server-name: needs --tls-ca-file")
+    _check_tls(p, args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -148,6 +154,19 @@ def _check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--temperature: must be >= 0, got {args.temperature}")
     if args.timeout is not None and args.timeout <= 0:
         p.error(f"--timeout: must be > 0, got {args.timeout}")
+    _check_tls(p, args)
+
+
+def _add_tls_flags(p: argparse.ArgumentParser, server: str) -> None:
+    """The client TLS flags of generate and health (``server``: what they dial, for the help)."""
+    p.add_argument("--tls-ca-file", default="", help=f"CA bundle (PEM) that verifies the {server}: set = TLS")
+    p.add_argument("--tls-cert-file", default="", help=f"client certificate (PEM) for a {server} that requires mTLS")
+    p.add_argument("--tls-key-file", default="", help="client private key (PEM) of --tls-cert-file")
+
+
+def _check_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.credentials`` from the TLS flags (kvroute.tls.channel_credentials); a half-set or
+    unreadable one is a usage error naming the flag."""
     from kvroute.tls import channel_credentials
 
     try:
@@ -262,9 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-salt", default="", help="prefix-cache isolation key (tenant)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds (default 60)")
-    g.add_argument("--tls-ca-file", default="", help="CA bundle (PEM) that verifies the router: set = TLS")
-    g.add_argument("--tls-cert-file", default="", help="client certificate (PEM) for a router that requires mTLS")
-    g.add_argument("--tls-key-file", default="", help="client private key (PEM) of --tls-cert-file")
+    _add_tls_flags(g, "router")
     g.set_defaults(func=_generate, check=_check_generate)
 
     h = sub.add_parser("health", help="exit 0 when a router is ready and has a routable replica",
@@ -273,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "1 otherwise (the line says why). The chart's `helm test`.")
     h.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     h.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds (default 5)")
+    h.add_argument("--service", default="",
+                   help="check only this grpc.health.v1 service name (readiness, liveness) of a router or replica: "
+                        "exit 0 when SERVING (the chart's probes over TLS)")
+    _add_tls_flags(h, "router or replica")
+    h.add_argument("--tls-server-name", default="",
+                   help="the name the server's certificate is checked against (default: the --target host)")
     h.set_defaults(func=_health, check=_check_health)
 
     b = sub.add_parser(

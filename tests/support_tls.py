@@ -16,6 +16,14 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
+def _names(dns_names: tuple[str, ...], ips: tuple[str, ...], loopback: bool) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    if loopback:
+        names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    return names
+
+
 def _write_key(path, key) -> None:
     path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
@@ -40,16 +48,17 @@ class TestCA:
         self.file = folder / f"{name}.pem"
         self.file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, cn: str) -> tuple[str, str]:
-        """(cert file, key file) of a leaf valid for 127.0.0.1 and localhost, as server and client."""
+    def issue(self, cn: str, dns_names: tuple[str, ...] = (), *, ips: tuple[str, ...] = (),
+              loopback: bool = True) -> tuple[str, str]:
+        """(cert file, key file) of a leaf valid for ``dns_names``, ``ips`` and (``loopback``)
+        127.0.0.1 and localhost, as server and client."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                .add_extension(x509.SubjectAlternativeName(_names(dns_names, ips, loopback)), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .sign(self.key, hashes.SHA256()))
         cert_file, key_file = self.folder / f"{cn}.crt", self.folder / f"{cn}.key"

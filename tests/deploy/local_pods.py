@@ -3,7 +3,9 @@ the chart test that runs the chart (``from tests.deploy.local_pods import ...``)
 
     rendered Deployment / StatefulSet ──▶ LocalPod(name, ip, template)  one loopback IP per pod
         initContainers then containers  ──▶ subprocesses with the container's command, args and env
-        probes (grpc / tcpSocket / httpGet) ─▶ run exactly as declared, against the pod IP
+        probes (grpc / tcpSocket / httpGet / exec) ─▶ run exactly as declared, against the pod IP (an exec
+                                             probe's 127.0.0.1 is the pod's IP, its mount paths the
+                                             pod's folders)
     rendered Services                   ──▶ DNS names → a ready pod's IP (ports unchanged)
     the replica headless Service        ──▶ EndpointSlices (ready / serving / terminating) on a
                                              loopback API server (tests.support_kube.FakeKubeAPI)
@@ -223,8 +225,11 @@ class LocalCluster:
         """Run a bare Pod's (``helm test``'s) one container to completion: its command with Service
         names resolved; returns the completed process (stdout, stderr as text)."""
         [c] = pod_doc["spec"]["containers"]
-        argv = [self.resolve(a, LocalPod(pod_doc["metadata"]["name"], "", self.namespace, {}, self.root), {}, {})
-                for a in (*c.get("command", []), *c.get("args", []))]
+        pod = LocalPod(pod_doc["metadata"]["name"], "", self.namespace, {"spec": pod_doc["spec"]},
+                       self.root / pod_doc["metadata"]["name"])
+        vols = pod.volume_dirs(self.secrets)
+        mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])}
+        argv = [self.resolve(a, pod, {}, mounts) for a in (*c.get("command", []), *c.get("args", []))]
         return subprocess.run(program(argv), capture_output=True, text=True, timeout=timeout,
                               env=self.base_env(self.root), cwd=self.root)
 
@@ -247,6 +252,15 @@ class LocalCluster:
                 except grpc.RpcError:
                     return False
             return resp.status == SERVING
+        if "exec" in p:
+            mounts = {m["mountPath"]: pod.root / "volumes" / m["name"] for m in c.get("volumeMounts", [])}
+            argv = [self.resolve(a, pod, {}, mounts).replace("127.0.0.1:", f"{pod.ip}:") for a in p["exec"]["command"]]
+            try:
+                done = subprocess.run(program(argv), capture_output=True, timeout=p.get("timeoutSeconds", 1),
+                                      env=self.base_env(pod.root), cwd=pod.root)
+            except subprocess.TimeoutExpired:
+                return False
+            return done.returncode == 0
         if "tcpSocket" in p:
             import socket
 

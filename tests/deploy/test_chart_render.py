@@ -1,6 +1,6 @@
 """The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
 existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
-discovery, the envoy and inferencePool gateway modes): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
+discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
 (kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
 in strict mode, and the chart's contract with the code holds (appVersion, setting names)."""
 
@@ -51,6 +51,8 @@ MATRIX = {
     "discovery-static": {"router": {"discovery": "static"}, "replica": {"replicas": 2}},
     "gateway-envoy": {"gateway": {"mode": "envoy"}},
     "gateway-inference-pool": {"gateway": {"mode": "inferencePool"}, "router": {"discovery": "redis"}},
+    "tls": {"tls": {"enabled": True, "existingSecret": "kvr-tls"}, "router": {"discovery": "static"}},
+    "tls-mutual": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
 }
 
 
@@ -205,6 +207,44 @@ def test_static_discovery_lists_the_statefulset_pods_and_needs_no_rbac():
     assert rep_env["KVROUTE_ADVERTISE_ADDRESS"] == f"$(POD_NAME).{REPLICA}.$(POD_NAMESPACE).svc:50051"
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
     assert pod_spec(find(docs, "Deployment", ROUTER))["automountServiceAccountToken"] is False
+
+
+TLS_DIR = "/etc/kvroute/tls"
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "tls-mutual"])
+def test_tls_mounts_the_secret_sets_the_settings_and_probes_over_tls(mutual):
+    docs = render(MATRIX["tls-mutual" if mutual else "tls"])
+    server = {"KVROUTE_TLS_CERT_FILE": f"{TLS_DIR}/tls.crt", "KVROUTE_TLS_KEY_FILE": f"{TLS_DIR}/tls.key"}
+    if mutual:
+        server["KVROUTE_TLS_CLIENT_CA_FILE"] = f"{TLS_DIR}/ca.crt"
+    to_replicas = {"KVROUTE_REPLICA_TLS_CA_FILE": f"{TLS_DIR}/ca.crt"}
+    if mutual:  # the router presents its own certificate to the replicas
+        to_replicas |= {"KVROUTE_REPLICA_TLS_CERT_FILE": f"{TLS_DIR}/tls.crt",
+                        "KVROUTE_REPLICA_TLS_KEY_FILE": f"{TLS_DIR}/tls.key"}
+    client = ["--tls-ca-file", f"{TLS_DIR}/ca.crt", "--tls-server-name", ROUTER]
+    if mutual:
+        client += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
+    cases = (("Deployment", ROUTER, "router", server | to_replicas, 50050, "liveness"),
+             ("StatefulSet", REPLICA, "replica", server, 50051, "readiness"))
+    for kind, name, cname, want_env, port, startup in cases:
+        w = find(docs, kind, name)
+        c = container(w, cname)
+        assert {k: v for k, v in env_of(c).items() if "TLS" in k} == want_env, name
+        assert {"name": "tls", "secret": {"secretName": "kvr-tls"}} in pod_spec(w)["volumes"]
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in c["volumeMounts"]
+        for probe, service in (("startupProbe", startup), ("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+            assert "grpc" not in c[probe] and c[probe]["timeoutSeconds"] == 5
+            assert c[probe]["exec"]["command"] == [
+                "kvroute", "health", "--service", service, "--target", f"127.0.0.1:{port}", "--timeout", "3", *client]
+    assert container(find(docs, "Deployment", ROUTER), "router")["readinessProbe"]["periodSeconds"] == 5
+    test_pod = find(docs, "Pod", f"{FULLNAME}-test-health")
+    assert test_pod["spec"]["containers"][0]["command"] == ["kvroute", "health", "--target", f"{ROUTER}:50050", *client]
+    assert test_pod["spec"]["volumes"] == [{"name": "tls", "secret": {"secretName": "kvr-tls"}}]
+    assert test_pod["spec"]["containers"][0]["volumeMounts"] == [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
+    # Without tls: no mount, no TLS setting, native gRPC probes (pinned in test_defaults_render_the_whole_release).
+    plain = container(find(render({}), "Deployment", ROUTER), "router")
+    assert not [k for k in env_of(plain) if "TLS" in k] and "tls" not in [m["name"] for m in plain["volumeMounts"]]
 
 
 def test_every_replica_setting_is_reachable_from_values():

@@ -51,3 +51,10 @@ def test_a_gateway_mode_that_dials_pod_ips_rejects_static_discovery():
         assert "at '/router/discovery': value must be one of 'kubernetes', 'redis'" in message
     assert render({"gateway": {"mode": "envoy"}, "router": {"discovery": "redis"}})
     assert render({"router": {"discovery": "static"}})  # the proxy dials names
+
+
+def test_tls_enabled_without_its_secret_is_rejected_naming_the_key():
+    assert "at '/tls/existingSecret'" in _rejection({"tls": {"enabled": True}})
+    assert "at '/tls/existingSecret'" in _rejection({"tls": {"enabled": True, "existingSecret": ""}})
+    assert render({"tls": {"enabled": True, "existingSecret": "kvr-tls"}})
+    assert "'mutal'" in _rejection({"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutal": True}})

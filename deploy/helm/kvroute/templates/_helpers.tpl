@@ -172,6 +172,78 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
 {{- end }}
 
 {{/*
+gRPC TLS (tls.enabled): the kubernetes.io/tls Secret mounted read-only at /etc/kvroute/tls, the
+settings that point at it (pass (dict "ctx" $ "component" "router")), the client flags of
+`kvroute health`, and the probes (exec probes over TLS, else Kubernetes' native gRPC probes).
+*/}}
+{{- define "kvroute.tlsDir" -}}/etc/kvroute/tls{{- end }}
+{{- define "kvroute.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+{{- end }}
+{{- end }}
+{{- define "kvroute.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "kvroute.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- define "kvroute.tlsEnv" -}}
+{{- $ := .ctx }}
+{{- $dir := include "kvroute.tlsDir" $ }}
+{{- if $.Values.tls.enabled }}
+- name: KVROUTE_TLS_CERT_FILE
+  value: {{ $dir }}/tls.crt
+- name: KVROUTE_TLS_KEY_FILE
+  value: {{ $dir }}/tls.key
+{{- if $.Values.tls.mutual }}
+- name: KVROUTE_TLS_CLIENT_CA_FILE
+  value: {{ $dir }}/ca.crt
+{{- end }}
+{{- if eq .component "router" }}
+- name: KVROUTE_REPLICA_TLS_CA_FILE
+  value: {{ $dir }}/ca.crt
+{{- if $.Values.tls.mutual }}
+- name: KVROUTE_REPLICA_TLS_CERT_FILE
+  value: {{ $dir }}/tls.crt
+- name: KVROUTE_REPLICA_TLS_KEY_FILE
+  value: {{ $dir }}/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{/* `kvroute health` TLS flags as a JSON list (empty list without TLS). */}}
+{{- define "kvroute.healthTlsArgs" -}}
+{{- $dir := include "kvroute.tlsDir" . }}
+{{- $args := list }}
+{{- if .Values.tls.enabled }}
+{{- $args = list "--tls-ca-file" (printf "%s/ca.crt" $dir) "--tls-server-name" (include "kvroute.router.name" .) }}
+{{- if .Values.tls.mutual }}
+{{- $args = concat $args (list "--tls-cert-file" (printf "%s/tls.crt" $dir) "--tls-key-file" (printf "%s/tls.key" $dir)) }}
+{{- end }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}
+{{/* One probe: pass (dict "ctx" $ "port" 50050 "service" "readiness" "probe" .Values.router.readinessProbe). */}}
+{{- define "kvroute.probe" -}}
+{{- if .ctx.Values.tls.enabled }}
+exec:
+  command: {{ concat (list "kvroute" "health" "--service" .service "--target" (printf "127.0.0.1:%d" (int .port)) "--timeout" "3") (include "kvroute.healthTlsArgs" .ctx | fromJsonArray) | toJson }}
+# A Python process per check: more than the native probe's one second.
+timeoutSeconds: 5
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service }}
+{{- end }}
+periodSeconds: {{ .probe.periodSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end }}
+
+{{/*
 The model volume and where the model folder is in it: `generate` writes the default model
 into an emptyDir with an init container (replica image), `pvc` / `hostPath` mount an existing one.
 */}}
