@@ -227,7 +227,7 @@ class LocalCluster:
         [c] = pod_doc["spec"]["containers"]
         pod = LocalPod(pod_doc["metadata"]["name"], "", self.namespace, {"spec": pod_doc["spec"]},
                        self.root / pod_doc["metadata"]["name"])
-        vols = pod.volume_dirs(self.secrets)
+        vols = pod.volume_dirs(self.secrets, self.configmaps(pod))
         mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])}
         argv = [self.resolve(a, pod, {}, mounts) for a in (*c.get("command", []), *c.get("args", []))]
         return subprocess.run(program(argv), capture_output=True, text=True, timeout=timeout,
