@@ -124,7 +124,7 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parse_target(args.target)
         args.config = BenchConfig(
             target=args.target, trace=args.trace or str(BUNDLED_TRACE), requests=args.requests,
-            tokens_per_block=args.tokens_per_block, output_scale=args.output_scale,
+            tokens_per_block=args.tokens_per_block, prompt_length=args.prompt_length, output_scale=args.output_scale,
             max_output_tokens=args.max_output_tokens, time_scale=args.time_scale, concurrency=args.concurrency,
             policies=tuple(s.strip() for s in args.policies.split(",")), interleave=args.interleave, out=args.out,
             request_timeout=args.request_timeout, progress=not args.no_progress, api=args.api,
@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     b.add_argument("--requests", type=int, default=1000, help="the first N trace requests (default 1000)")
     b.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block (default 16)")
+    b.add_argument("--prompt-length", default="input_length", choices=("input_length", "hash_ids"),
+                   help="each prompt is the trace's input_length scaled by --tokens-per-block / 512 (default), "
+                        "or len(hash_ids) x --tokens-per-block: every hash id a whole block, as "
+                        "../shared/peers/mooncake_prompts.py builds them")
     b.add_argument("--output-scale", type=float, default=0.02,
                    help="output tokens = max(1, round(output_length * S)) (default 0.02)")
     b.add_argument("--max-output-tokens", type=int, default=256, help="cap on output tokens (default 256)")

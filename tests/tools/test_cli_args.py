@@ -41,6 +41,7 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["bench", "--requests", "0"], "--requests: must be >= 1"),
         (["bench", "--tokens-per-block", "0"], "--tokens-per-block: must be >= 1"),
         (["bench", "--output-scale", "0"], "--output-scale: must be > 0"),
+        (["bench", "--prompt-length", "chars"], "--prompt-length: invalid choice"),
         (["bench", "--max-output-tokens", "0"], "--max-output-tokens: must be >= 1"),
         (["bench", "--time-scale", "-1"], "--time-scale: must be >= 0"),
         (["bench", "--concurrency", "0"], "--concurrency: must be >= 1"),
