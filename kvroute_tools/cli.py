@@ -87,6 +87,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         args.config = ClusterConfig(
             replicas=args.replicas, host=args.host, router_port=args.router_port, base_port=args.base_port,
+            router_http_port=args.router_http_port, replica_http_base_port=args.replica_http_base_port,
             redis_url=args.redis_url, namespace=args.namespace, model=args.model,
             model_cache_dir=args.model_cache_dir, kv_cache_memory_mb=args.kv_cache_memory_mb,
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -170,7 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--replicas", type=int, default=2, help="replica processes (default 2)")
     u.add_argument("--host", default="127.0.0.1", help="listen address of every process (default 127.0.0.1)")
     u.add_argument("--router-port", type=int, default=50050, help="the router's port (default 50050; 0 = free)")
+    u.add_argument("--router-http-port", type=int, default=0,
+                   help="the router's OpenAI-compatible HTTP API ({http_url}; default 0: a free port; -1: off)")
     u.add_argument("--base-port", type=int, default=0, help="replica i on BASE+i (default 0: free ports)")
+    u.add_argument("--replica-http-base-port", type=int, default=0,
+                   help="replica i also serves the OpenAI HTTP API and /metrics on BASE+i (default 0: off)")
     u.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server")
     u.add_argument("--namespace", default="default", help="Redis key namespace of the cluster")
     u.add_argument("--model", default="", help="model folder (default: the generated default model)")

@@ -59,6 +59,7 @@ class ClusterConfig:
     router_port: int = 50050  # 0 = a free port
     router_http_port: int = 0  # the router's OpenAI-compatible HTTP API: 0 = a free port, -1 = off
     base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
+    replica_http_base_port: int = 0  # replica i's OpenAI HTTP API (+ /metrics) on this + i; 0 = off
     redis_url: str = ""  # empty = an embedded redis-server on a free port
     namespace: str = DEFAULT_NAMESPACE
     model: str = ""
@@ -80,9 +81,12 @@ class ClusterConfig:
         if not 0 <= self.router_port < 65536:
             raise ValueError(f"--router-port: must be in 0..65535, got {self.router_port}")
         if not -1 <= self.router_http_port < 65536:
-            raise ValueError(f"router_http_port: must be -1 (off) or in 0..65535, got {self.router_http_port}")
+            raise ValueError(f"--router-http-port: must be -1 (off) or in 0..65535, got {self.router_http_port}")
         if self.base_port and not 0 < self.base_port <= 65536 - self.replicas:
             raise ValueError(f"--base-port: {self.replicas} ports from {self.base_port} do not fit in 1..65535")
+        if self.replica_http_base_port and not 0 < self.replica_http_base_port <= 65536 - self.replicas:
+            raise ValueError(f"--replica-http-base-port: {self.replicas} ports from {self.replica_http_base_port} "
+                             "do not fit in 1..65535")
         if self.base_port and self.router_port and self.base_port <= self.router_port < self.base_port + self.replicas:
             raise ValueError(f"--router-port {self.router_port} is one of the replicas' ports "
                              f"({self.base_port}..{self.base_port + self.replicas - 1}); move --base-port")
@@ -117,6 +121,7 @@ class LocalCluster:
         self.replicas: list[Child] = []
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
+        self.replica_http_urls: list[str] = []  # http://host:port per replica (--replica-http-base-port)
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -144,7 +149,8 @@ class LocalCluster:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
             router_port, replica_ports = self._ports()
-            http_port = self._http_port([router_port, *replica_ports])
+            replica_http_ports = self._replica_http_ports([router_port, *replica_ports])
+            http_port = self._http_port([router_port, *replica_ports, *replica_http_ports])
             if self.redis_url:
                 self._check_redis()
             else:
@@ -153,8 +159,11 @@ class LocalCluster:
             deadline = time.monotonic() + cfg.ready_timeout
             for i, port in enumerate(replica_ports):
                 rid = f"replica-{i}"
-                self.replicas.append(Child(rid, self._replica_argv(rid, port), self.log_dir / f"{rid}.log",
+                http = replica_http_ports[i] if replica_http_ports else -1
+                self.replicas.append(Child(rid, self._replica_argv(rid, port, http), self.log_dir / f"{rid}.log",
                                            target=f"{cfg.dial_host}:{port}").start())
+                if http >= 0:
+                    self.replica_http_urls.append(f"http://{cfg.dial_host}:{http}")
             self.router = Child("router", self._router_argv(router_port, http_port), self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
@@ -180,6 +189,21 @@ class LocalCluster:
             port = free_port(cfg.dial_host)
         self.router_http_url = f"http://{cfg.dial_host}:{port}/v1"
         return port
+
+    def _replica_http_ports(self, taken: Sequence[int]) -> list[int]:
+        """The replicas' HTTP ports (empty: off).
+
+        Raises:
+            ClusterError: one is taken, or is one of the gRPC ports.
+        """
+        cfg = self.config
+        if not cfg.replica_http_base_port:
+            return []
+        ports = [cfg.replica_http_base_port + i for i in range(cfg.replicas)]
+        busy = [p for p in ports if p in taken or not port_free(cfg.host, p)]
+        if busy:
+            raise ClusterError(f"--replica-http-base-port: port(s) {', '.join(map(str, busy))} on {cfg.host} are taken")
+        return ports
 
     def _ports(self) -> tuple[int, list[int]]:
         cfg = self.config
@@ -246,11 +270,13 @@ class LocalCluster:
         # The generated default model is passed by path, so router and replicas read the same folder.
         return ["--model", self.model_dir] if self.model_dir else []
 
-    def _replica_argv(self, replica_id: str, port: int) -> list[str]:
+    def _replica_argv(self, replica_id: str, port: int, http_port: int = -1) -> list[str]:
         cfg = self.config
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
                 *self._model_flags()]
+        if http_port >= 0:  # the HTTP API's /metrics serves the Prometheus registry, which metrics_port enables
+            argv += ["--http-port", str(http_port), "--metrics-port", "0"]
         if cfg.kv_cache_memory_mb is not None:
             argv += ["--kv-cache-memory-mb", str(cfg.kv_cache_memory_mb)]
         if cfg.num_blocks is not None:
@@ -332,8 +358,9 @@ class LocalCluster:
             f"kvroute up: {len(self.replicas)} replicas and a router are ready (logs in {self.log_dir})",
             f"  {'router':<11} {t:<22} pid {self.router.pid if self.router else '-'}",
         ]
-        for c in self.replicas:
-            lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}")
+        for i, c in enumerate(self.replicas):
+            http = f" (OpenAI HTTP API and /metrics: {self.replica_http_urls[i]})" if self.replica_http_urls else ""
+            lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}{http}")
         if self.redis is not None:
             lines.append(f"  {'redis':<11} {self.redis_url:<22} pid {self.redis.pid} (embedded)")
         else:

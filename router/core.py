@@ -81,12 +81,13 @@ class Router:
             matches = self.index.lookup(hashes, replicas)
         t2 = time.perf_counter()
         totals = self.load.totals_of(replicas)
-        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage), positional
-        # (the decision path). Queued prefill: the heartbeat counts what has reached the replica, the
-        # routers what they sent and has not been prefilled; they overlap, so take the larger.
+        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage, measured
+        # prefill rate, measured decode step time), positional (the decision path). Queued prefill:
+        # the heartbeat counts what has reached the replica, the routers what they sent and has not
+        # been prefilled; they overlap, so take the larger.
         cands = [
             Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
-                      totals[rid][0], info.usage)
+                      totals[rid][0], info.usage, info.prefill_tokens_per_s, info.decode_seconds_per_running)
             for rid, info in replicas.items()
         ]
         req = RequestShape(len(token_ids), self.hasher.block_size)

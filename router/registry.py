@@ -55,6 +55,8 @@ class ReplicaInfo:
     waiting: int = 0
     usage: float = 0.0
     queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured by the replica; 0 = not yet
+    decode_seconds_per_running: float = 0.0
     heartbeat_at: float = 0.0
     discovered: bool = False
     routable: bool = False
@@ -129,6 +131,7 @@ class ReplicaRegistry:
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
             num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
             waiting=load.waiting, usage=load.usage, queued_prefill_tokens=load.queued_prefill_tokens,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, decode_seconds_per_running=load.decode_seconds_per_running,
             heartbeat_at=now,
         )
         with self._lock:

@@ -36,9 +36,11 @@ class RouterSettings:
     hash_seed: str = setting(DEFAULT_SEED, "block hash seed (must match the replicas')")
     policy: str = setting("kvroute", "routing policy", choices=POLICY_NAMES)
     seed: int = setting(-1, "seed of the tie-breaking generator (-1 = random)")
-    prefill_tokens_per_s: float = setting(ScoringWeights.prefill_tokens_per_s, "a replica's prefill rate estimate")
-    decode_seconds_per_running: float = setting(
-        ScoringWeights.decode_seconds_per_running, "TTFT added per running sequence"
+    prefill_tokens_per_s: float | None = setting(
+        None, "a replica's prefill rate, tokens/s, for every replica (default: each replica's measured one)"
+    )
+    decode_seconds_per_running: float | None = setting(
+        None, "TTFT added per running sequence, seconds, for every replica (default: each replica's measured one)"
     )
     prefill_work_weight: float = setting(
         ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from kvroute_tools.trace import BUNDLED_TRACE
 
-
 PROMPT_LENGTHS = ("input_length", "hash_ids")
 """``--prompt-length``: the trace's ``input_length`` scaled, or every hash id a whole block."""
 

@@ -85,11 +85,12 @@ def oracle_rates(requests: Sequence[TraceRequest], replicas: int, pooled_blocks:
     return OracleRates(total, rate(hit_ideal), rate(hit_rr), rate(hit_pooled))
 
 
-def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block_size: int) -> int:
+def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block_size: int,
+                  whole_blocks: bool = False) -> int:
     """Distinct full KV blocks over the requests' prompts (what ``--cache-fraction`` scales)."""
     seen: set = set()
     for req in requests:
-        seen.update(block_keys(req, tokens_per_block, block_size)[0])
+        seen.update(block_keys(req, tokens_per_block, block_size, whole_blocks)[0])
     return len(seen)
 
 

@@ -8,6 +8,7 @@ in-flight terms. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 
 import pytest
@@ -184,13 +185,55 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
                              cpu_match_weight=0.3, kv_usage_weight=0.07, in_flight_weight=0.011)
     cands = [
         Candidate(f"r{i}", Match(gpu=rng.randrange(40), cpu=rng.randrange(10)), queued_prefill_tokens=rng.randrange(5000),
-                  running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random())
+                  running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random(),
+                  prefill_tokens_per_s=rng.choice([0.0, rng.uniform(100, 1e5)]),
+                  decode_seconds_per_running=rng.choice([0.0, rng.uniform(1e-4, 0.05)]))
         for i in range(200)
     ]
-    for req in (RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)):
-        fast = KVRoutePolicy(weights)
+    measured = ScoringWeights(prefill_work_weight=2.5, cpu_match_weight=0.3, kv_usage_weight=0.07)
+    for req, w in itertools.product((RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)),
+                                    (weights, measured)):
+        fast = KVRoutePolicy(w)
         wrapped = {name: functools.partial(fn) for name, fn in DEFAULT_SCORERS.items()}
-        slow = KVRoutePolicy(weights, scorers=wrapped)  # not the defaults: one call per scorer
+        slow = KVRoutePolicy(w, scorers=wrapped)  # not the defaults: one call per scorer
         expected = [fast.score(c, req).cost for c in cands]
         assert fast.costs(cands, req) == expected
         assert slow.costs(cands, req) == expected
+
+
+MEASURED = ScoringWeights(prefill_work_weight=1.0)  # rates from the replicas' heartbeats
+
+
+def test_each_replica_is_costed_at_the_rates_it_measured():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2", "R3"], weights=MEASURED, hasher=hasher)
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=10, prefill_tokens_per_s=4000.0,
+                                                    decode_seconds_per_running=0.001), now=0.0)
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0), now=0.0)
+    d = router.decide(prompt(8, 320))
+    # R1: 2 x 320 / 4,000 + 10 x 1 ms; R2: 2 x 320 / 1,000; R3 (nothing measured): 2 x 320 / 20,000.
+    assert d.score_of("R1").cost == pytest.approx(0.170)
+    assert d.score_of("R2").cost == pytest.approx(0.640)
+    assert d.score_of("R3").cost == pytest.approx(0.032)
+    assert d.picked.replica_id == "R3"
+
+
+def test_rate_settings_override_what_the_replicas_measured():
+    hasher = BlockHasher(block_size=B)
+    for weights, picked in ((MEASURED, "R1"), (WEIGHTS, "R2")):
+        router = make_router(["R1", "R2"], weights=weights, hasher=hasher)
+        router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=10, prefill_tokens_per_s=4000.0,
+                                                        decode_seconds_per_running=0.001), now=0.0)
+        router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0), now=0.0)
+        d = router.decide(prompt(8, 320))
+        # Measured: R1 0.170 s against R2 0.640 s. At the settings (1,000 tokens/s, 2 ms a running
+        # sequence) for both: R1 0.640 + 0.020 s against R2 0.640 s.
+        assert d.picked.replica_id == picked
+
+
+def test_a_heartbeat_with_a_non_finite_rate_is_not_routable():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1"], hasher=hasher)
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s="inf"), now=0.0)
+    assert [r.replica_id for r in router.registry.routable()] == ["R1"]
+    assert "prefill_tokens_per_s='inf'" in router.registry.get("R2").reason
