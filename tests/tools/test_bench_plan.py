@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from kvroute_tools.bench.config import BenchConfig
 from kvroute_tools.bench.plan import hit_bounds, plan_requests
@@ -142,4 +143,20 @@ def test_up_fills_in_the_router_target_in_the_command():
             "bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0"]
     finally:
         cluster.router = None
+        cluster.stop()
+
+
+def test_up_gives_each_replica_its_http_port_and_metrics_and_refuses_a_taken_one():
+    from kvroute_tools.cluster import ClusterError
+    from kvroute_tools.redis_server import free_port
+
+    base = free_port()
+    cluster = LocalCluster(ClusterConfig(replicas=2, replica_http_base_port=base))
+    try:
+        argv = cluster._replica_argv("replica-1", 5001, base + 1)
+        assert argv[argv.index("--http-port") + 1] == str(base + 1) and "--metrics-port" in argv
+        assert "--http-port" not in cluster._replica_argv("replica-0", 5000)
+        with pytest.raises(ClusterError, match=rf"--replica-http-base-port: port\(s\) {base + 1} "):
+            cluster._replica_http_ports([5000, base + 1])  # the second one is a gRPC port
+    finally:
         cluster.stop()

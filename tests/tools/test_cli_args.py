@@ -28,6 +28,8 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["up", "--router-port", "70000"], "--router-port: must be in 0..65535"),
         (["up", "--base-port", "50040", "--replicas", "4", "--router-port", "50042"], "is one of the replicas' ports"),
         (["up", "--num-blocks", "1"], "--num-blocks: must be >= 2"),
+        (["up", "--router-http-port", "-2"], "--router-http-port: must be -1 (off) or in 0..65535"),
+        (["up", "--replica-http-base-port", "65535"], "--replica-http-base-port: 2 ports from 65535 do not fit"),
         (["up", "--kv-cache-memory-mb", "0"], "--kv-cache-memory-mb: must be >= 1"),
         (["up", "--namespace", "a:b"], "namespace"),
         (["up", "--replica-args", "--model 'unclosed"], "quotation"),
