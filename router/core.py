@@ -82,12 +82,13 @@ class Router:
         t2 = time.perf_counter()
         totals = self.load.totals_of(replicas)
         # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage, measured
-        # prefill rate, measured decode step time), positional (the decision path). Queued prefill:
-        # the heartbeat counts what has reached the replica, the routers what they sent and has not
-        # been prefilled; they overlap, so take the larger.
+        # prefill rate, measured decode step time, waiting), positional (the decision path). Queued
+        # prefill: the heartbeat counts what has reached the replica, the routers what they sent and
+        # has not been prefilled; they overlap, so take the larger.
         cands = [
             Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
-                      totals[rid][0], info.usage, info.prefill_tokens_per_s, info.decode_seconds_per_running)
+                      totals[rid][0], info.usage, info.prefill_tokens_per_s, info.decode_seconds_per_running,
+                      info.waiting)
             for rid, info in replicas.items()
         ]
         req = RequestShape(len(token_ids), self.hasher.block_size)

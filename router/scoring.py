@@ -4,7 +4,8 @@ The default policy, ``kvroute``, estimates each replica's time to first token fo
 
     cost(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)   # TTFT: queue + own prefill
             + running(r) * decode_seconds_per_running(r)                                  # TTFT: decode load
-            + prefill_work_weight * uncached_tokens(r) / prefill_tokens_per_s(r)          # work added to the cluster
+            + (prefill_work_weight + backlog_work_weight * waiting(r))
+              * uncached_tokens(r) / prefill_tokens_per_s(r)                              # work added to the cluster
             + kv_usage(r) * kv_usage_weight + in_flight(r) * in_flight_weight             # optional terms
 
     uncached_tokens(r) = prompt_tokens - block_size * (gpu_blocks(r) + cpu_match_weight * cpu_blocks(r))
@@ -25,6 +26,14 @@ being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afres
 replica. Charging the prefill a request adds to the cluster (weight 5 by default) keeps the burst
 on the replica that already holds or is computing the prefix, until its queue outgrows the work
 saved, which is also when the cached replica really is the slower choice.
+
+Why the backlog term: on a replica with a backlog, the prefill a request adds delays not only
+itself but every request that arrives there before the backlog clears; by Little's law their
+number is about the replica's waiting queue. So each uncached token weighs
+``backlog_work_weight`` (1) more per waiting request: an idle or lightly loaded cluster routes as
+before, while on an overloaded one, where every replica's queue is long, a difference between
+the queues no longer outweighs the prefix a replica holds (trading the prefix for a shorter queue
+there just adds work that everyone behind waits for).
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
 a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
 the baselines the bench compares against.
@@ -54,6 +63,7 @@ class ScoringWeights:
     # 5: chosen on `kvroute simulate` (8-64 modelled H100 replicas) and on `make run` (4 CPU replicas
     # on 2 cores), one default for both (README, "Simulating a cluster").
     prefill_work_weight: float = 5.0  # weight of the prefill work this request adds to the cluster
+    backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
     # Off by default: the usage it reads is the last heartbeat's, so for a short prompt a replica that
     # was busy a moment ago loses its prefix to an idle one (README, "Simulating a cluster").
@@ -65,6 +75,8 @@ class ScoringWeights:
             raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
         if self.decode_seconds_per_running is not None and not self.decode_seconds_per_running >= 0:
             raise ValueError(f"decode_seconds_per_running: must be >= 0, got {self.decode_seconds_per_running}")
+        if not self.backlog_work_weight >= 0:
+            raise ValueError(f"backlog_work_weight: must be >= 0, got {self.backlog_work_weight}")
         if not 0.0 <= self.cpu_match_weight <= 1.0:
             raise ValueError(f"cpu_match_weight: must be in [0, 1], got {self.cpu_match_weight}")
 
@@ -89,6 +101,7 @@ class Candidate:
     kv_usage: float = 0.0
     prefill_tokens_per_s: float = 0.0  # measured by the replica (heartbeat); 0 = not measured
     decode_seconds_per_running: float = 0.0  # likewise
+    waiting: int = 0  # requests in the replica's waiting queue (heartbeat)
 
     def cached_tokens(self, req: RequestShape) -> int:
         """Tokens of this request the replica is predicted to serve from its prefix cache (GPU+CPU).
@@ -131,7 +144,8 @@ def prefix_queue_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> f
 
 def prefill_work_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     """The prefill this request adds to the cluster, in seconds, weighted (module docstring)."""
-    return w.prefill_work_weight * uncached_tokens(c, req, w) / prefill_rate(c, w)
+    weight = w.prefill_work_weight + w.backlog_work_weight * c.waiting
+    return weight * uncached_tokens(c, req, w) / prefill_rate(c, w)
 
 
 def decode_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
@@ -205,14 +219,15 @@ class KVRoutePolicy(Policy):
             fns = tuple(self.scorers.values())
             return [sum(fn(c, req, w) for fn in fns) for c in cands]
         prompt, block = req.prompt_tokens, req.block_size
-        cpu_w, work_w = w.cpu_match_weight, w.prefill_work_weight
+        cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
         kv_w, flight_w = w.kv_usage_weight, w.in_flight_weight
         out = []
         for c in cands:
             u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
             rate, decode_s = prefill_rate(c, w), decode_step_seconds(c, w)
             out.append(
-                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s + work_w * u / rate
+                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s
+                + (work_w + backlog_w * c.waiting) * u / rate
                 + c.kv_usage * kv_w + c.in_flight * flight_w
             )
         return out

@@ -45,6 +45,9 @@ class RouterSettings:
     prefill_work_weight: float = setting(
         ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"
     )
+    backlog_work_weight: float = setting(
+        ScoringWeights.backlog_work_weight, "more weight on the prefill work per request waiting on the replica"
+    )
     cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
     kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
     in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
@@ -62,6 +65,7 @@ class RouterSettings:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_seconds_per_running=self.decode_seconds_per_running,
             prefill_work_weight=self.prefill_work_weight,
+            backlog_work_weight=self.backlog_work_weight,
             cpu_match_weight=self.cpu_match_weight,
             kv_usage_weight=self.kv_usage_weight,
             in_flight_weight=self.in_flight_weight,

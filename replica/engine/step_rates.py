@@ -49,40 +49,59 @@ class StepTimer:
         if min_prefill_tokens < 1:
             raise ValueError(f"min_prefill_tokens: must be >= 1, got {min_prefill_tokens}")
         self.min_prefill_tokens = min_prefill_tokens
-        self._decode: deque[tuple[int, float]] = deque(maxlen=window)  # (D, t)
-        self._prefill: deque[tuple[int, int, float]] = deque(maxlen=window)  # (P, D, t)
-        self._rates = StepRates()
+        self._window = window
+        self._decode: deque[tuple[int, float]] = deque()  # (D, t)
+        self._prefill: deque[tuple[int, int, float]] = deque()  # (P, D, t)
+        # Running sums over the two rings (ints exact; the float sums drift by rounding only).
+        self._d_n = self._d_sum = self._d_sq = 0
+        self._d_t = self._d_dt = 0.0
+        self._p_tokens = self._p_seqs = 0
+        self._p_t = 0.0
+        self._rates: StepRates | None = StepRates()
 
     def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         """One step that ran the model: ``prefill_tokens`` prompt tokens computed, ``decode_seqs``
         sequences decoded, ``seconds`` of wall time. Steps with a small prefill, or nothing, are
-        not samples."""
+        not samples. O(1)."""
         if prefill_tokens >= self.min_prefill_tokens:
             self._prefill.append((prefill_tokens, decode_seqs, seconds))
+            self._add_prefill(prefill_tokens, decode_seqs, seconds, 1)
+            if len(self._prefill) > self._window:
+                self._add_prefill(*self._prefill.popleft(), -1)
         elif prefill_tokens == 0 and decode_seqs > 0:
             self._decode.append((decode_seqs, seconds))
+            self._add_decode(decode_seqs, seconds, 1)
+            if len(self._decode) > self._window:
+                self._add_decode(*self._decode.popleft(), -1)
         else:
             return
-        self._rates = self._compute()
+        self._rates = None
+
+    def _add_prefill(self, p: int, d: int, t: float, sign: int) -> None:
+        self._p_tokens += sign * p
+        self._p_seqs += sign * d
+        self._p_t += sign * t
+
+    def _add_decode(self, d: int, t: float, sign: int) -> None:
+        self._d_n += sign
+        self._d_sum += sign * d
+        self._d_sq += sign * d * d
+        self._d_t += sign * t
+        self._d_dt += sign * d * t
 
     @property
     def rates(self) -> StepRates:
-        """The rates as of the last sample."""
+        """The rates as of the last sample (computed when first asked for after it)."""
+        if self._rates is None:
+            self._rates = self._compute()
         return self._rates
 
     def _compute(self) -> StepRates:
-        # O(window) per sample: a few hundred additions, small next to a step of the model.
-        n = len(self._decode)
-        slope = 0.0
-        if n >= 2:
-            mean_d = sum(d for d, _ in self._decode) / n
-            mean_t = sum(t for _, t in self._decode) / n
-            var = sum((d - mean_d) ** 2 for d, _ in self._decode)
-            if var > 0:
-                slope = max(sum((d - mean_d) * (t - mean_t) for d, t in self._decode) / var, 0.0)
-        tokens = sum(p for p, _, _ in self._prefill)
-        prefill_s = sum(t - d * slope for _, d, t in self._prefill)
-        rate = tokens / prefill_s if tokens and prefill_s > 0 else 0.0
+        n = self._d_n
+        var = n * self._d_sq - self._d_sum * self._d_sum  # n^2 x the variance of D, exact
+        slope = max((n * self._d_dt - self._d_sum * self._d_t) / var, 0.0) if n >= 2 and var > 0 else 0.0
+        prefill_s = self._p_t - self._p_seqs * slope
+        rate = self._p_tokens / prefill_s if self._p_tokens and prefill_s > 0 else 0.0
         return StepRates(prefill_tokens_per_s=rate, decode_seconds_per_running=slope)
 
 

@@ -2,7 +2,7 @@
 
 Numbers: block_size 16, prefill rate 1,000 tokens/s (so 1 token = 1 ms), decode term 2 ms per
 running sequence, prefill-work weight 1 (each uncached token costs 1 ms more), no kv-usage or
-in-flight terms. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
+in-flight terms, nothing waiting. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
         Candidate(f"r{i}", Match(gpu=rng.randrange(40), cpu=rng.randrange(10)), queued_prefill_tokens=rng.randrange(5000),
                   running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random(),
                   prefill_tokens_per_s=rng.choice([0.0, rng.uniform(100, 1e5)]),
-                  decode_seconds_per_running=rng.choice([0.0, rng.uniform(1e-4, 0.05)]))
+                  decode_seconds_per_running=rng.choice([0.0, rng.uniform(1e-4, 0.05)]), waiting=rng.randrange(20))
         for i in range(200)
     ]
     measured = ScoringWeights(prefill_work_weight=2.5, cpu_match_weight=0.3, kv_usage_weight=0.07)
@@ -237,3 +237,19 @@ def test_a_heartbeat_with_a_non_finite_rate_is_not_routable():
     router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s="inf"), now=0.0)
     assert [r.replica_id for r in router.registry.routable()] == ["R1"]
     assert "prefill_tokens_per_s='inf'" in router.registry.get("R2").reason
+
+
+@pytest.mark.parametrize(("waiting", "picked"), [(0, "R2"), (100, "R1")])
+def test_on_backlogged_replicas_the_prefix_outweighs_the_shorter_queue(waiting, picked):
+    router, p2 = setup_r1_busy(r1_queued=5000)  # R1 holds 288 of P2's 320 tokens
+    hasher = BlockHasher(block_size=B)
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, queued_prefill_tokens=5000, waiting=waiting),
+                                          now=0.0)
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, queued_prefill_tokens=3000, waiting=waiting),
+                                          now=0.0)
+    d = router.decide(p2)
+    # Each uncached token weighs 1 + waiting more: R1 (5,000 + 32) + (1 + w) x 32 ms against
+    # R2 (3,000 + 320) + (1 + w) x 320 ms. w = 0: 5.064 s against 3.640 s; w = 100: 8.264 against 35.640.
+    assert d.score_of("R1").cost == pytest.approx((5032 + (1 + waiting) * 32) / 1000)
+    assert d.score_of("R2").cost == pytest.approx((3320 + (1 + waiting) * 320) / 1000)
+    assert d.picked.replica_id == picked
