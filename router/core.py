@@ -115,10 +115,29 @@ class Router:
         return f"no replica is routable ({why})"
 
     def commit(self, decision: Decision) -> Ticket:
-        """Account the picked replica's load and credit it speculatively with the prompt's blocks."""
+        """Account the picked replica's load and credit it speculatively with the prompt's blocks,
+        held until the request's prefill is done (:meth:`prefill_done`): behind a long queue a
+        fixed TTL would run out first, and the next turn of the conversation would not see its
+        prefix there."""
         assert decision.picked is not None
         rid = decision.picked.replica_id
         with self.index_lock:
-            self.index.add_speculative(rid, decision.block_hashes)
+            self.index.add_speculative(rid, decision.block_hashes, hold=True)
         uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
-        return self.load.begin(rid, uncached)
+        ticket = self.load.begin(rid, uncached)
+        ticket.block_hashes = decision.block_hashes
+        return ticket
+
+    def prefill_done(self, ticket: Ticket) -> None:
+        """The request's first token arrived: its pending prefill leaves the load, and its
+        speculative entries expire ``speculative_ttl`` from now (idempotent)."""
+        if not ticket.prefill_done:
+            with self.index_lock:
+                self.index.release_speculative(ticket.replica_id, ticket.block_hashes)
+        self.load.prefill_done(ticket)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request completed, failed or was cancelled (idempotent; releases what
+        :meth:`prefill_done` would if the first token never came)."""
+        self.prefill_done(ticket)
+        self.load.finish(ticket)

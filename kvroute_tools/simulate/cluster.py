@@ -177,9 +177,9 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
                 continue  # a decode window that was cut: its new end is queued
             first, finished, events = rep.finish()
             for sr in first:
-                load.prefill_done(sr.ticket)
+                router.prefill_done(sr.ticket)
             for sr in finished:
-                load.finish(sr.ticket)
+                router.finish(sr.ticket)
                 sr.prompt = []
             if events and kv_fed:
                 pending[k].append((now + cfg.event_delay_s, step_batch(events, now)))
