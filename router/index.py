@@ -16,7 +16,6 @@ events arrive. They count as GPU matches in lookups and are reported separately.
 from __future__ import annotations
 
 import math
-
 import time
 from bisect import bisect_right
 from collections import deque
