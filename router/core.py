@@ -16,7 +16,7 @@ from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
 from router.registry import ReplicaInfo, ReplicaRegistry
-from router.scoring import Candidate, Policy, RequestShape, Scored
+from router.scoring import Candidate, Policy, RequestShape, Scored, pool_rate
 
 
 @dataclass
@@ -85,10 +85,12 @@ class Router:
         # prefill rate, measured decode step time, waiting), positional (the decision path). Queued
         # prefill: the heartbeat counts what has reached the replica, the routers what they sent and
         # has not been prefilled; they overlap, so take the larger.
+        # The measured rates: the pool's medians for every replica (router.scoring.pool_rate).
+        rate = pool_rate(info.prefill_tokens_per_s for info in replicas.values())
+        step_s = pool_rate(info.decode_seconds_per_running for info in replicas.values())
         cands = [
             Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
-                      totals[rid][0], info.usage, info.prefill_tokens_per_s, info.decode_seconds_per_running,
-                      info.waiting)
+                      totals[rid][0], info.usage, rate, step_s, info.waiting)
             for rid, info in replicas.items()
         ]
         req = RequestShape(len(token_ids), self.hasher.block_size)

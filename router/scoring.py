@@ -13,9 +13,12 @@ The default policy, ``kvroute``, estimates each replica's time to first token fo
 and picks the lowest cost; exact ties are broken at random (seeded), never by list position.
 
 The cost calibrates itself: ``prefill_tokens_per_s(r)`` and ``decode_seconds_per_running(r)`` are
-what replica r measured over its recent steps and published in its heartbeat
-(``replica.engine.step_rates``), so the same cost reads in seconds of that replica on a CPU test box
-and on a GPU cluster, and a slower replica costs more. A setting given (``--prefill-tokens-per-s``,
+the medians, over the routable replicas, of what each measured over its recent steps and published
+in its heartbeat (``replica.engine.step_rates``, :func:`pool_rate`), so the same cost reads in
+seconds of the pool's hardware on a CPU test box and on a GPU cluster. The median and not each
+replica's own: a replica's measured rate also reflects its own mix of work (long contexts read
+more KV per token), and charging each at its own steered work to whichever looked fast, a feedback
+that piled conversations onto a few replicas at 64 simulated ones. A setting given (``--prefill-tokens-per-s``,
 ``--decode-seconds-per-running``) overrides the measurement for every replica; a replica that has
 not measured yet (or an older one that does not publish it) gets ``DEFAULT_PREFILL_TOKENS_PER_S``
 and ``DEFAULT_DECODE_SECONDS_PER_RUNNING``.
@@ -42,7 +45,8 @@ the baselines the bench compares against.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.index import Match
@@ -112,6 +116,13 @@ class Candidate:
 
 
 Scorer = Callable[[Candidate, RequestShape, ScoringWeights], float]
+
+
+def pool_rate(measured: Iterable[float]) -> float:
+    """The median of the replicas' measured values that are > 0 (0 when none is): what the router
+    charges every replica at (module docstring)."""
+    values = [v for v in measured if v > 0]
+    return statistics.median(values) if values else 0.0
 
 
 def prefill_rate(c: Candidate, w: ScoringWeights) -> float:

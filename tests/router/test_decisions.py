@@ -204,30 +204,36 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
 MEASURED = ScoringWeights(prefill_work_weight=1.0)  # rates from the replicas' heartbeats
 
 
-def test_each_replica_is_costed_at_the_rates_it_measured():
+def test_every_replica_is_costed_at_the_pools_median_measured_rates():
     hasher = BlockHasher(block_size=B)
-    router = make_router(["R1", "R2", "R3"], weights=MEASURED, hasher=hasher)
-    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=10, prefill_tokens_per_s=4000.0,
-                                                    decode_seconds_per_running=0.001), now=0.0)
-    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0), now=0.0)
+    router = make_router(["R1", "R2", "R3", "R4"], weights=MEASURED, hasher=hasher)
+    measured = {"R1": (4000.0, 0.001), "R2": (1000.0, 0.003), "R3": (2000.0, 0.0)}  # R4: nothing yet
+    for i, (rid, (rate, step)) in enumerate(measured.items()):
+        router.registry.update_from_heartbeat(heartbeat(rid, i, hasher, running=10 if rid == "R1" else 0,
+                                                        prefill_tokens_per_s=rate, decode_seconds_per_running=step),
+                                              now=0.0)
     d = router.decide(prompt(8, 320))
-    # R1: 2 x 320 / 4,000 + 10 x 1 ms; R2: 2 x 320 / 1,000; R3 (nothing measured): 2 x 320 / 20,000.
-    assert d.score_of("R1").cost == pytest.approx(0.170)
-    assert d.score_of("R2").cost == pytest.approx(0.640)
-    assert d.score_of("R3").cost == pytest.approx(0.032)
-    assert d.picked.replica_id == "R3"
+    # Medians of what was measured (> 0): 2,000 tokens/s of (1,000, 2,000, 4,000); 2 ms of (1, 3).
+    # R1: 2 x 320 / 2,000 + 10 x 2 ms; the others 2 x 320 / 2,000.
+    assert d.score_of("R1").cost == pytest.approx(0.340)
+    assert [d.score_of(r).cost for r in ("R2", "R3", "R4")] == [pytest.approx(0.320)] * 3
+    assert d.picked.replica_id != "R1"
 
 
 def test_rate_settings_override_what_the_replicas_measured():
     hasher = BlockHasher(block_size=B)
+    p = prompt(8, 320)
     for weights, picked in ((MEASURED, "R1"), (WEIGHTS, "R2")):
         router = make_router(["R1", "R2"], weights=weights, hasher=hasher)
-        router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=10, prefill_tokens_per_s=4000.0,
-                                                        decode_seconds_per_running=0.001), now=0.0)
-        router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0), now=0.0)
-        d = router.decide(prompt(8, 320))
-        # Measured: R1 0.170 s against R2 0.640 s. At the settings (1,000 tokens/s, 2 ms a running
-        # sequence) for both: R1 0.640 + 0.020 s against R2 0.640 s.
+        router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=40, prefill_tokens_per_s=4000.0,
+                                                        decode_seconds_per_running=0.0001), now=0.0)
+        router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0,
+                                                        decode_seconds_per_running=0.0001), now=0.0)
+        router.index.add("R1", hasher.event_ints(p)[:2])  # 32 of the 320 tokens
+        d = router.decide(p)
+        # Measured, the medians 2,500 tokens/s and 0.1 ms: R1 2 x 288 / 2,500 + 40 x 0.1 ms = 0.2344 s
+        # against R2 2 x 320 / 2,500 = 0.256 s. At the settings (1,000 tokens/s, 2 ms a running
+        # sequence): R1 0.576 + 0.080 = 0.656 s against R2 0.640 s.
         assert d.picked.replica_id == picked
 
 
