@@ -30,6 +30,10 @@ in one table with a verdict per goal.
   (b) Envoy + the kvroute endpoint picker (``kvroute up --gateway envoy``'s bootstrap), (c) the
   Python proxy; then the router process's CPU seconds per 1,000 streamed requests through (b) and
   (c), net of its idle rate. Goals: (b) adds <= 1 ms p50; (b) costs the router >= 3x less than (c).
+- **HTTP front vs gRPC front**: in the same run and the same turns, the same prompt (as token ids)
+  through the router's OpenAI-compatible API (``POST /v1/completions``, streamed, one kept-alive
+  ``http.client`` connection; TTFT at the first ``data:`` event of a token) against its gRPC front:
+  TTFT and whole-request p50 / p99 of each, and the HTTP front's difference.
 
 Why the router stays on grpc.aio: every Python hop adds, per message, one more loopback write and
 the wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
@@ -50,6 +54,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import http.client
+import json
 import os
 import random
 import statistics
@@ -207,20 +213,51 @@ def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateR
     return ttft or 0.0, time.perf_counter() - t0
 
 
+class HttpStream:
+    """Streamed ``/v1/completions`` calls over one kept-alive HTTP/1.1 connection, timed like
+    :func:`timed_stream` (the first ``data:`` event of a token, then ``data: [DONE]``)."""
+
+    def __init__(self, port: int, request: gen_pb.GenerateRequest):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        self.body = json.dumps({"model": "kvroute-tiny-llama", "prompt": list(request.token_ids.ids),
+                                "max_tokens": request.sampling.max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "stream": True})
+
+    def __call__(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ttft = None
+        self.conn.request("POST", "/v1/completions", self.body, {"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP front: {resp.status} {resp.read()[:200]!r}")
+        while line := resp.readline():
+            if line.startswith(b"data: [DONE]"):
+                break
+            if ttft is None and line.startswith(b"data: "):
+                ttft = time.perf_counter() - t0
+        resp.read()  # the rest of the chunked body, so that the connection is reused
+        return ttft or 0.0, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str], gateways: bool
                 ) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """({side_ttft | side_total: milliseconds per request} for side = direct, routed, bare-VARIANT...,
+    """({side_ttft | side_total: milliseconds per request} for side = direct, routed (the router's gRPC
+    front), routed-http (its OpenAI HTTP front), bare-VARIANT...,
     and with ``gateways`` envoy and picker (bench/_gateway.py); {side: router CPU s per 1,000 requests}
     for routed and picker (empty without ``gateways``)."""
     with RedisServer() as redis_server:
-        rport, xport = free_port(), free_port()
+        rport, xport, hport = free_port(), free_port(), free_port()
         replica = start(["-m", "replica", "--port", str(rport), "--redis-url", redis_server.url, "--replica-id",
                          "bench-replica", "--model-cache-dir", str(tmp), "--num-blocks", "512", "--torch-threads",
                          "1", "--heartbeat-interval", "0.5"], f"127.0.0.1:{rport}", "replica", tmp / "replica.log")
         procs: list[subprocess.Popen] = []
         try:
-            procs.append(start(["-m", "router", "--port", str(xport), "--redis-url", redis_server.url,
-                                "--model-cache-dir", str(tmp)], f"127.0.0.1:{xport}", "router", tmp / "router.log"))
+            procs.append(start(["-m", "router", "--port", str(xport), "--http-port", str(hport), "--redis-url",
+                                redis_server.url, "--model-cache-dir", str(tmp)], f"127.0.0.1:{xport}", "router",
+                               tmp / "router.log"))
             targets = {"direct": rport, "routed": xport}
             for variant in bare_variants:
                 bport = targets[f"bare-{variant}"] = free_port()
@@ -236,12 +273,17 @@ def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str], gateways: bool
                 channels = {side: grpc.insecure_channel(a) for side, a in addresses.items()}
                 for ch in channels.values():
                     stack.enter_context(ch)
-                stubs = {side: gen_grpc.GenerationServiceStub(ch) for side, ch in channels.items()}
-                routed = stubs["routed"]
                 request = gen_pb.GenerateRequest(
                     token_ids=gen_pb.TokenIds(ids=[(7 * i + 3) % 500 + 1 for i in range(64)]),
                     sampling=gen_pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                 )
+                stubs = {side: gen_grpc.GenerationServiceStub(ch) for side, ch in channels.items()}
+                calls = {side: functools.partial(timed_stream, stub, request, metadata.get(side, ()))
+                         for side, stub in stubs.items()}
+                http_stream = HttpStream(hport, request)
+                stack.callback(http_stream.close)
+                calls["routed-http"] = http_stream
+                routed = stubs["routed"]
                 deadline = time.monotonic() + 30
                 while True:  # until the router sees the replica
                     try:
@@ -252,12 +294,12 @@ def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str], gateways: bool
                             raise
                         time.sleep(0.1)
                 for _ in range(30):
-                    for side, stub in stubs.items():
-                        timed_stream(stub, request, metadata.get(side, ()))
-                out: dict[str, list[float]] = {f"{side}_{what}": [] for side in stubs for what in ("ttft", "total")}
+                    for call in calls.values():
+                        call()
+                out: dict[str, list[float]] = {f"{side}_{what}": [] for side in calls for what in ("ttft", "total")}
                 for _ in range(n):  # in turn, so that drift and neighbours hit every side alike
-                    for side, stub in stubs.items():
-                        ttft, total = timed_stream(stub, request, metadata.get(side, ()))
+                    for side, call in calls.items():
+                        ttft, total = call()
                         out[f"{side}_ttft"].append(ttft * 1e3)
                         out[f"{side}_total"].append(total * 1e3)
                 cpu = {}
@@ -344,6 +386,13 @@ def main() -> int:
             ratio = cpu["routed"] / cpu["picker"] if cpu["picker"] > 0 else float("inf")
             rows.append(("router CPU per 1,000 streamed requests", f"(b) picker {cpu['picker']:.2f} s, (c) proxy "
                          f"{cpu['routed']:.2f} s: {ratio:.1f}x less", "(b) >= 3x less than (c)", verdict(ratio >= 3)))
+        for what in ("ttft", "total"):
+            g, h = lat["routed_" + what], lat["routed-http_" + what]
+            g50, g99, h50, h99 = statistics.median(g), pct(g, 0.99), statistics.median(h), pct(h, 0.99)
+            label = "time to first token" if what == "ttft" else "whole request (8 tokens)"
+            rows.append((f"HTTP front vs gRPC front, {label}",
+                         f"{h50 - g50:+.2f} ms p50, {h99 - g99:+.2f} ms p99 (gRPC {g50:.2f} / {g99:.2f}, "
+                         f"HTTP {h50:.2f} / {h99:.2f} ms)", "-", "-"))
 
     print(f"\nrouter benchmark: {NUM_REPLICAS} replicas, {NUM_ENTRIES / 1e6:g}M indexed entries, "
           f"{PROMPT_TOKENS}-token prompts ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm;"

@@ -11,6 +11,7 @@ checks before routing to it, DESIGN.md §2) and its load after the latest engine
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,7 +24,10 @@ class EngineLoad:
 
     ``free_blocks`` counts KV blocks not in use (cached-but-free ones included); ``usage`` is
     ``1 - free / (num_blocks - 1)`` in [0, 1]; ``queued_prefill_tokens`` is the prompt work the
-    scheduler still has queued, in tokens.
+    scheduler still has queued, in tokens. The replica's measured speed over its recent steps
+    (``replica.engine.step_rates``; 0 = not measured yet): ``prefill_tokens_per_s``, prompt
+    tokens computed per second of prefill, and ``decode_seconds_per_running``, the step time one
+    running sequence adds; the router's default cost uses them (router.scoring).
     """
 
     free_blocks: int = 0
@@ -31,10 +35,13 @@ class EngineLoad:
     waiting: int = 0
     usage: float = 0.0
     queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_seconds_per_running: float = 0.0
 
 
 _INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "max_waiting")
 _LOAD_INT_FIELDS = ("free_blocks", "running", "waiting", "queued_prefill_tokens")
+_LOAD_FLOAT_FIELDS = ("usage", "prefill_tokens_per_s", "decode_seconds_per_running")
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,8 @@ class Heartbeat:
             RESOURCE_EXHAUSTED); 0 when the replica does not say. An endpoint picker sheds a request
             (429) when every candidate's ``load.waiting`` has reached it.
         ts: the replica's wall clock when written (Unix seconds).
-        invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse (those read as
-            0); a heartbeat with any is not routable. Never written.
+        invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse as a finite
+            number (those read as 0); a heartbeat with any is not routable. Never written.
     """
 
     replica_id: str
@@ -112,6 +119,8 @@ class Heartbeat:
             "waiting": str(load.waiting),
             "usage": repr(float(load.usage)),
             "queued_prefill_tokens": str(load.queued_prefill_tokens),
+            "prefill_tokens_per_s": repr(float(load.prefill_tokens_per_s)),
+            "decode_seconds_per_running": repr(float(load.decode_seconds_per_running)),
             "ts": repr(float(self.ts)),
         }
 
@@ -138,14 +147,18 @@ class Heartbeat:
         def number(name: str, kind: type[int] | type[float]) -> int | float:
             raw = text.get(name, "")
             try:
-                return kind(raw or 0)
+                value = kind(raw or 0)
             except ValueError:
+                value = None
+            if value is None or not math.isfinite(value):  # "nan" / "inf" parse as floats: refused too
                 bad.append(f"{name}={raw!r}")
                 return kind(0)
+            return value
 
         ints = {name: int(number(name, int)) for name in _INT_FIELDS}
         load = EngineLoad(
-            **{name: int(number(name, int)) for name in _LOAD_INT_FIELDS}, usage=float(number("usage", float))
+            **{name: int(number(name, int)) for name in _LOAD_INT_FIELDS},
+            **{name: float(number(name, float)) for name in _LOAD_FLOAT_FIELDS},
         )
         ts = float(number("ts", float))
         return cls(

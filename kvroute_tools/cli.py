@@ -129,6 +129,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         args.config = ClusterConfig(
             replicas=args.replicas, host=args.host, router_port=args.router_port, base_port=args.base_port,
+            router_http_port=args.router_http_port, replica_http_base_port=args.replica_http_base_port,
             redis_url=args.redis_url, namespace=args.namespace, model=args.model,
             model_cache_dir=args.model_cache_dir, kv_cache_memory_mb=args.kv_cache_memory_mb,
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -198,7 +199,7 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parse_target(args.target)
         args.config = BenchConfig(
             target=args.target, trace=args.trace or str(BUNDLED_TRACE), requests=args.requests,
-            tokens_per_block=args.tokens_per_block, output_scale=args.output_scale,
+            tokens_per_block=args.tokens_per_block, prompt_length=args.prompt_length, output_scale=args.output_scale,
             max_output_tokens=args.max_output_tokens, time_scale=args.time_scale, concurrency=args.concurrency,
             policies=tuple(s.strip() for s in args.policies.split(",")), interleave=args.interleave, out=args.out,
             request_timeout=args.request_timeout, progress=not args.no_progress, api=args.api,
@@ -245,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--replicas", type=int, default=2, help="replica processes (default 2)")
     u.add_argument("--host", default="127.0.0.1", help="listen address of every process (default 127.0.0.1)")
     u.add_argument("--router-port", type=int, default=50050, help="the router's port (default 50050; 0 = free)")
+    u.add_argument("--router-http-port", type=int, default=0,
+                   help="the router's OpenAI-compatible HTTP API ({http_url}; default 0: a free port; -1: off)")
     u.add_argument("--base-port", type=int, default=0, help="replica i on BASE+i (default 0: free ports)")
+    u.add_argument("--replica-http-base-port", type=int, default=0,
+                   help="replica i also serves the OpenAI HTTP API and /metrics on BASE+i (default 0: off)")
     u.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server")
     u.add_argument("--namespace", default="default", help="Redis key namespace of the cluster")
     u.add_argument("--model", default="", help="model folder (default: the generated default model)")
@@ -309,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     b.add_argument("--requests", type=int, default=1000, help="the first N trace requests (default 1000)")
     b.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block (default 16)")
+    b.add_argument("--prompt-length", default="input_length", choices=("input_length", "hash_ids"),
+                   help="each prompt is the trace's input_length scaled by --tokens-per-block / 512 (default), "
+                        "or len(hash_ids) x --tokens-per-block: every hash id a whole block, as "
+                        "../shared/peers/mooncake_prompts.py builds them")
     b.add_argument("--output-scale", type=float, default=0.02,
                    help="output tokens = max(1, round(output_length * S)) (default 0.02)")
     b.add_argument("--max-output-tokens", type=int, default=256, help="cap on output tokens (default 256)")

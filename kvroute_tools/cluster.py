@@ -64,6 +64,7 @@ class ClusterConfig:
     router_http_port: int = 0  # the router's OpenAI-compatible HTTP API: 0 = a free port, -1 = off
     metrics: bool = False  # a Prometheus /metrics endpoint on every replica and the router (free ports)
     base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
+    replica_http_base_port: int = 0  # replica i's OpenAI HTTP API (+ /metrics) on this + i; 0 = off
     redis_url: str = ""  # empty = an embedded redis-server on a free port
     namespace: str = DEFAULT_NAMESPACE
     model: str = ""
@@ -91,9 +92,12 @@ class ClusterConfig:
         if not 0 <= self.router_port < 65536:
             raise ValueError(f"--router-port: must be in 0..65535, got {self.router_port}")
         if not -1 <= self.router_http_port < 65536:
-            raise ValueError(f"router_http_port: must be -1 (off) or in 0..65535, got {self.router_http_port}")
+            raise ValueError(f"--router-http-port: must be -1 (off) or in 0..65535, got {self.router_http_port}")
         if self.base_port and not 0 < self.base_port <= 65536 - self.replicas:
             raise ValueError(f"--base-port: {self.replicas} ports from {self.base_port} do not fit in 1..65535")
+        if self.replica_http_base_port and not 0 < self.replica_http_base_port <= 65536 - self.replicas:
+            raise ValueError(f"--replica-http-base-port: {self.replicas} ports from {self.replica_http_base_port} "
+                             "do not fit in 1..65535")
         if self.base_port and self.router_port and self.base_port <= self.router_port < self.base_port + self.replicas:
             raise ValueError(f"--router-port {self.router_port} is one of the replicas' ports "
                              f"({self.base_port}..{self.base_port + self.replicas - 1}); move --base-port")
@@ -132,6 +136,7 @@ class LocalCluster:
         self.admin_token = ""  # the token in it
         self.envoy: EnvoyFront | None = None  # --gateway envoy
         self.metrics_urls: dict[str, str] = {}  # process name -> http://host:port/metrics (with metrics)
+        self.replica_http_urls: list[str] = []  # http://host:port per replica (--replica-http-base-port)
         self.model_dir = config.model
         self._stopped = False
         atexit.register(self.stop)
@@ -166,8 +171,9 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.admin_token_file = self._write_admin_token()
             router_port, replica_ports = self._ports()
-            http_port = self._http_port([router_port, *replica_ports])
-            metrics_ports = self._metrics_ports([router_port, *replica_ports, http_port])
+            replica_http_ports = self._replica_http_ports([router_port, *replica_ports])
+            http_port = self._http_port([router_port, *replica_ports, *replica_http_ports])
+            metrics_ports = self._metrics_ports([router_port, *replica_ports, *replica_http_ports, http_port])
             if self.redis_url:
                 self._check_redis()
             else:
@@ -176,9 +182,12 @@ class LocalCluster:
             deadline = time.monotonic() + cfg.ready_timeout
             for i, port in enumerate(replica_ports):
                 rid = f"replica-{i}"
-                argv = self._replica_argv(rid, port) + self._metrics_flags(rid, metrics_ports)
+                http = replica_http_ports[i] if replica_http_ports else -1
+                argv = self._replica_argv(rid, port, http) + self._metrics_flags(rid, metrics_ports)
                 self.replicas.append(Child(rid, argv, self.log_dir / f"{rid}.log",
                                            target=f"{cfg.dial_host}:{port}").start())
+                if http >= 0:
+                    self.replica_http_urls.append(f"http://{cfg.dial_host}:{http}")
             argv = self._router_argv(router_port, http_port) + self._metrics_flags("router", metrics_ports)
             self.router = Child("router", argv, self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
@@ -242,6 +251,21 @@ class LocalCluster:
     def _metrics_flags(self, name: str, ports: dict[str, int]) -> list[str]:
         # The endpoint listens on --host (the processes' metrics_host follows their host).
         return ["--metrics-port", str(ports[name])] if name in ports else []
+
+    def _replica_http_ports(self, taken: Sequence[int]) -> list[int]:
+        """The replicas' HTTP ports (empty: off).
+
+        Raises:
+            ClusterError: one is taken, or is one of the gRPC ports.
+        """
+        cfg = self.config
+        if not cfg.replica_http_base_port:
+            return []
+        ports = [cfg.replica_http_base_port + i for i in range(cfg.replicas)]
+        busy = [p for p in ports if p in taken or not port_free(cfg.host, p)]
+        if busy:
+            raise ClusterError(f"--replica-http-base-port: port(s) {', '.join(map(str, busy))} on {cfg.host} are taken")
+        return ports
 
     def _ports(self) -> tuple[int, list[int]]:
         cfg = self.config
@@ -309,7 +333,7 @@ class LocalCluster:
         # The generated default model is passed by path, so router and replicas read the same folder.
         return ["--model", self.model_dir] if self.model_dir else []
 
-    def _replica_argv(self, replica_id: str, port: int) -> list[str]:
+    def _replica_argv(self, replica_id: str, port: int, http_port: int = -1) -> list[str]:
         cfg = self.config
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
@@ -321,6 +345,10 @@ class LocalCluster:
             argv += ["--num-blocks", str(cfg.num_blocks)]
         if cfg.max_num_batched_tokens is not None:
             argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+        if http_port >= 0:
+            argv += ["--http-port", str(http_port)]
+            if not cfg.metrics:  # the HTTP API's /metrics serves the Prometheus registry, which metrics_port enables
+                argv += ["--metrics-port", "0"]
         return argv + list(cfg.replica_args)
 
     def _router_argv(self, port: int, http_port: int) -> list[str]:

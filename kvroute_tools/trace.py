@@ -4,7 +4,10 @@ A Mooncake trace line is ``{"timestamp": ms, "input_length": n, "output_length":
 [...]}`` where each id stands for one 512-token block *together with every block before it*
 (prefix-chained), so equal ids mean a reusable KV prefix (DESIGN.md §7). To replay such a trace
 through a real engine, each hash id becomes a fixed pseudo-random block of ``tokens_per_block``
-tokens (seeded by the id), and the prompt is cut to the input length scaled by the same factor.
+tokens (seeded by the id), and the prompt is cut to the input length scaled by the same factor;
+or, with ``whole_blocks``, every id (the partial last one too) stays a whole block, so a prompt is
+``len(hash_ids) x tokens_per_block`` tokens: the mapping of ../shared/peers/mooncake_prompts.py,
+with which sglang-router and vllm-router were measured.
 
 The bounds computed from the ids alone, in prompt tokens: ``ideal`` is one infinite cache that has
 seen every earlier request; ``round robin over K`` deals requests to K infinite caches in turn.
@@ -67,9 +70,12 @@ class TraceTokenizer:
         vocab_size: ids are drawn from [low, vocab_size).
         low: smallest id drawn (keep special tokens out).
         seed: mixes into every block's generator, so different seeds give unrelated prompts.
+        whole_blocks: prompts of ``len(hash_ids) * tokens_per_block`` tokens (``input_length``
+            unused), instead of ``input_length`` scaled (module docstring).
     """
 
-    def __init__(self, tokens_per_block: int = 16, vocab_size: int = 32000, low: int = 0, seed: int = 0):
+    def __init__(self, tokens_per_block: int = 16, vocab_size: int = 32000, low: int = 0, seed: int = 0,
+                 whole_blocks: bool = False):
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block: must be >= 1, got {tokens_per_block}")
         if not 0 <= low < vocab_size:
@@ -78,6 +84,7 @@ class TraceTokenizer:
         self.vocab_size = vocab_size
         self.low = low
         self.seed = seed
+        self.whole_blocks = whole_blocks
         self._cache: dict[int, np.ndarray] = {}
 
     def block(self, hash_id: int) -> np.ndarray:
@@ -90,8 +97,11 @@ class TraceTokenizer:
         return blk
 
     def prompt_len(self, req: TraceRequest) -> int:
-        """The scaled prompt length: ``input_length * tokens_per_block / 512``, at least 1."""
+        """The prompt length: ``len(hash_ids) * tokens_per_block`` with ``whole_blocks``, else the
+        scaled input length ``input_length * tokens_per_block / 512``, at least 1 and at most that."""
         full = len(req.hash_ids) * self.tokens_per_block
+        if self.whole_blocks:
+            return full
         return max(1, min(full, round(req.input_length * self.tokens_per_block / TRACE_BLOCK_TOKENS)))
 
     def token_ids(self, req: TraceRequest) -> list[int]:

@@ -91,6 +91,8 @@ class EngineSample:
     preemptions: int = 0
     recomputed_tokens: int = 0
     num_steps: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured (replica.engine.step_rates); 0 = not yet
+    decode_seconds_per_running: float = 0.0
 
 
 def sample_engine(engine: Any) -> EngineSample:
@@ -98,6 +100,7 @@ def sample_engine(engine: Any) -> EngineSample:
     kv = engine.kv
     sched = engine.scheduler
     stats = kv.stats
+    rates = engine.step_timer.rates
     return EngineSample(
         running=len(sched.running),
         waiting=len(sched.waiting),
@@ -111,6 +114,8 @@ def sample_engine(engine: Any) -> EngineSample:
         preemptions=sched.num_preemptions,
         recomputed_tokens=stats.recomputed_tokens,
         num_steps=engine.num_steps,
+        prefill_tokens_per_s=rates.prefill_tokens_per_s,
+        decode_seconds_per_running=rates.decode_seconds_per_running,
     )
 
 

@@ -16,7 +16,7 @@ from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
 from router.registry import ReplicaInfo, ReplicaRegistry
-from router.scoring import Candidate, Policy, RequestShape, Scored
+from router.scoring import Candidate, Policy, RequestShape, Scored, pool_rate
 
 
 @dataclass
@@ -82,12 +82,16 @@ class Router:
             matches = self.index.lookup(hashes, replicas)
         t2 = time.perf_counter()
         totals = self.load.totals_of(replicas)
-        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage), positional
-        # (the decision path). Queued prefill: the heartbeat counts what has reached the replica, the
-        # routers what they sent and has not been prefilled; they overlap, so take the larger.
+        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage, measured
+        # prefill rate, measured decode step time, waiting), positional (the decision path). Queued
+        # prefill: the heartbeat counts what has reached the replica, the routers what they sent and
+        # has not been prefilled; they overlap, so take the larger.
+        # The measured rates: the pool's medians for every replica (router.scoring.pool_rate).
+        rate = pool_rate(info.prefill_tokens_per_s for info in replicas.values())
+        step_s = pool_rate(info.decode_seconds_per_running for info in replicas.values())
         cands = [
             Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
-                      totals[rid][0], info.usage)
+                      totals[rid][0], info.usage, rate, step_s, info.waiting)
             for rid, info in replicas.items()
         ]
         req = RequestShape(len(token_ids), self.hasher.block_size)
@@ -114,7 +118,10 @@ class Router:
         return f"no replica is routable ({why})"
 
     def commit(self, decision: Decision) -> Ticket:
-        """Account the picked replica's load and credit it speculatively with the prompt's blocks.
+        """Account the picked replica's load and credit it speculatively with the prompt's blocks,
+        held until the request's prefill is done (:meth:`prefill_done`): behind a long queue a
+        fixed TTL would run out first, and the next turn of the conversation would not see its
+        prefix there.
 
         A replica removed since ``decide`` (expired, or no longer routable) gets no credit: the
         consumer has dropped it from the index, and a speculative entry would bring it back for
@@ -126,15 +133,32 @@ class Router:
         with self.index_lock:
             info = self.registry.get(rid)
             if info is not None and info.routable:
-                decision.speculative_until = self.index.add_speculative(rid, decision.block_hashes)
+                decision.speculative_until = self.index.add_speculative(rid, decision.block_hashes, hold=True)
         uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
-        return self.load.begin(rid, uncached)
+        ticket = self.load.begin(rid, uncached)
+        ticket.block_hashes = decision.block_hashes
+        return ticket
 
     def withdraw(self, decision: Decision) -> None:
         """Take back a committed decision's speculative entries: the replica refused the request
-        or failed before its first token, so it will not store the blocks it was credited with."""
+        or failed before its first token, so it will not store the blocks it was credited with.
+        Call it before :meth:`finish` (which releases the hold the entries are matched by)."""
         if decision.picked is None or decision.speculative_until is None:
             return
         with self.index_lock:
             self.index.remove_speculative(decision.picked.replica_id, decision.block_hashes, decision.speculative_until)
         decision.speculative_until = None
+
+    def prefill_done(self, ticket: Ticket) -> None:
+        """The request's first token arrived: its pending prefill leaves the load, and its
+        speculative entries expire ``speculative_ttl`` from now (idempotent)."""
+        if not ticket.prefill_done:
+            with self.index_lock:
+                self.index.release_speculative(ticket.replica_id, ticket.block_hashes)
+        self.load.prefill_done(ticket)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request completed, failed or was cancelled (idempotent; releases what
+        :meth:`prefill_done` would if the first token never came)."""
+        self.prefill_done(ticket)
+        self.load.finish(ticket)

@@ -15,6 +15,7 @@ events arrive. They count as GPU matches in lookups and are reported separately.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_right
 from collections import deque
@@ -170,23 +171,41 @@ class BlockIndex:
             self.add(replica, hashes, medium)
 
     # -- speculative entries -----------------------------------------------------------------------
-    def add_speculative(self, replica: str, hashes: Sequence[int]) -> float | None:
-        """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``.
+    def add_speculative(self, replica: str, hashes: Sequence[int], *, hold: bool = False) -> float | None:
+        """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``;
+        with ``hold``, until :meth:`release_speculative` and ``speculative_ttl`` after it (a request
+        still waiting for its prefill there, however long the replica's queue).
 
         Returns:
-            The credit's expiry (the clock's seconds), to pass to :meth:`remove_speculative`; None
-            when nothing was credited (speculative entries off, or no hash).
+            The credit's expiry (the clock's seconds; ``math.inf`` while held), to pass to
+            :meth:`remove_speculative`; None when nothing was credited (speculative entries off,
+            or no hash).
         """
         if self.speculative_ttl <= 0 or not hashes:
             return None
         bit = self._bit(replica)
-        until = self._clock() + self.speculative_ttl
+        until = math.inf if hold else self._clock() + self.speculative_ttl
         spec, spec_until = self._spec_mask, self._spec_until
         for h in hashes:
             spec[h] = spec.get(h, 0) | bit
             spec_until[(h, bit)] = until
-        self._spec_queue.append((until, bit, hashes))
+        if not hold:  # the queue is in expiry order; held entries join it when released
+            self._spec_queue.append((until, bit, hashes))
         return until
+
+    def release_speculative(self, replica: str, hashes: Sequence[int]) -> None:
+        """Those of ``hashes`` still held for ``replica`` expire ``speculative_ttl`` from now (its
+        request's prefill is done: its BlockStored events are on their way)."""
+        bit = self._bits.get(replica)
+        if bit is None or self.speculative_ttl <= 0 or not hashes:
+            return
+        until = self._clock() + self.speculative_ttl
+        spec_until = self._spec_until
+        held = [h for h in hashes if spec_until.get((h, bit)) == math.inf]
+        for h in held:
+            spec_until[(h, bit)] = until
+        if held:
+            self._spec_queue.append((until, bit, held))
 
     def remove_speculative(self, replica: str, hashes: Sequence[int], until: float | None) -> None:
         """Withdraw the credit :meth:`add_speculative` returned ``until`` for (the request was

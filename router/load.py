@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -32,6 +32,7 @@ class Ticket:
     prefill_tokens: int
     prefill_done: bool = False
     finished: bool = False
+    block_hashes: Sequence[int] = ()  # its speculative index entries, held until the prefill is done
 
 
 class LoadTracker:

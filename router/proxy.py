@@ -11,7 +11,7 @@ One request through ``GenerationService.GenerateStream`` (``Generate`` is the sa
           └▶ commit (speculative index entries + in-flight load, counted now, not at dispatch)
               └▶ ReplicaService.GenerateStream(token ids) on the pick's cached channel,
                  with the call's remaining deadline and the W3C trace context in the metadata
-                   ├ first delta ──▶ ticket.prefill_done
+                   ├ first delta ──▶ Router.prefill_done (load, speculative entries)
                    ├ deltas ──────▶ passed through unchanged
                    └ last delta ──▶ + routing (replica, address, predicted cached tokens, policy),
                                      trailing metadata x-kvroute-replica / -predicted-cached-tokens,
@@ -241,7 +241,7 @@ class Proxy:
                                 first_token_s = time.perf_counter() - t0
                                 # No initial metadata of our own: sending it apart from the first
                                 # delta costs that delta ~0.25 ms (measured, 2-core box).
-                                self.router.load.prefill_done(ticket)
+                                self.router.prefill_done(ticket)
                             if resp.finish_reason != _UNFINISHED:
                                 final = resp
                                 resp.routing.CopyFrom(gen_pb.RoutingInfo(
@@ -263,9 +263,9 @@ class Proxy:
                     exclude.append(picked.replica_id)
                     failures.append(f"{picked.replica_id} at {picked.address} failed: {e.code().name}: {e.details()}")
                 finally:
-                    self.router.load.finish(ticket)
                     if not started:  # refused or failed before prefill: its blocks will not be stored
                         self.router.withdraw(decision)
+                    self.router.finish(ticket)
                     if call is not None and not call.done():
                         call.cancel()  # RST_STREAM: the replica aborts the request and frees its blocks
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is

@@ -59,6 +59,8 @@ class ReplicaInfo:
     max_waiting: int = 0  # the replica's waiting-queue bound (0: not said)
     usage: float = 0.0
     queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured by the replica; 0 = not yet
+    decode_seconds_per_running: float = 0.0
     heartbeat_at: float = 0.0
     written_at: float = 0.0
     discovered: bool = False
@@ -135,7 +137,9 @@ class ReplicaRegistry:
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
             num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
             waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
-            queued_prefill_tokens=load.queued_prefill_tokens, heartbeat_at=now, written_at=heartbeat.ts,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, decode_seconds_per_running=load.decode_seconds_per_running,
+            heartbeat_at=now, written_at=heartbeat.ts,
         )
         with self._lock:
             old = self._replicas.get(replica_id)

@@ -2,14 +2,26 @@
 
 The default policy, ``kvroute``, estimates each replica's time to first token for this request::
 
-    cost(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s   # TTFT: queue + own prefill
-            + running(r) * decode_seconds_per_running                                   # TTFT: decode load
-            + prefill_work_weight * uncached_tokens(r) / prefill_tokens_per_s           # work added to the cluster
-            + kv_usage(r) * kv_usage_weight + in_flight(r) * in_flight_weight           # optional terms
+    cost(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)   # TTFT: queue + own prefill
+            + running(r) * decode_seconds_per_running(r)                                  # TTFT: decode load
+            + (prefill_work_weight + backlog_work_weight * waiting(r))
+              * uncached_tokens(r) / prefill_tokens_per_s(r)                              # work added to the cluster
+            + kv_usage(r) * kv_usage_weight + in_flight(r) * in_flight_weight             # optional terms
 
     uncached_tokens(r) = prompt_tokens - block_size * (gpu_blocks(r) + cpu_match_weight * cpu_blocks(r))
 
 and picks the lowest cost; exact ties are broken at random (seeded), never by list position.
+
+The cost calibrates itself: ``prefill_tokens_per_s(r)`` and ``decode_seconds_per_running(r)`` are
+the medians, over the routable replicas, of what each measured over its recent steps and published
+in its heartbeat (``replica.engine.step_rates``, :func:`pool_rate`), so the same cost reads in
+seconds of the pool's hardware on a CPU test box and on a GPU cluster. The median and not each
+replica's own: a replica's measured rate also reflects its own mix of work (long contexts read
+more KV per token), and charging each at its own steered work to whichever looked fast, a feedback
+that piled conversations onto a few replicas at 64 simulated ones. A setting given (``--prefill-tokens-per-s``,
+``--decode-seconds-per-running``) overrides the measurement for every replica; a replica that has
+not measured yet (or an older one that does not publish it) gets ``DEFAULT_PREFILL_TOKENS_PER_S``
+and ``DEFAULT_DECODE_SECONDS_PER_RUNNING``.
 
 Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
 being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
@@ -17,6 +29,14 @@ being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afres
 replica. Charging the prefill a request adds to the cluster (weight 5 by default) keeps the burst
 on the replica that already holds or is computing the prefix, until its queue outgrows the work
 saved, which is also when the cached replica really is the slower choice.
+
+Why the backlog term: on a replica with a backlog, the prefill a request adds delays not only
+itself but every request that arrives there before the backlog clears; by Little's law their
+number is about the replica's waiting queue. So each uncached token weighs
+``backlog_work_weight`` (1) more per waiting request: an idle or lightly loaded cluster routes as
+before, while on an overloaded one, where every replica's queue is long, a difference between
+the queues no longer outweighs the prefix a replica holds (trading the prefix for a shorter queue
+there just adds work that everyone behind waits for).
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
 a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
 the baselines the bench compares against.
@@ -25,21 +45,29 @@ the baselines the bench compares against.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.index import Match
 
+DEFAULT_PREFILL_TOKENS_PER_S = 20000.0
+"""Prefill rate, tokens/s, of a replica that has published no measurement (nor a setting given)."""
+DEFAULT_DECODE_SECONDS_PER_RUNNING = 0.002
+"""TTFT added per running sequence, seconds, likewise."""
+
 
 @dataclass(frozen=True)
 class ScoringWeights:
-    """Knobs of the cost model (settings ``--prefill-tokens-per-s`` etc.)."""
+    """Knobs of the cost model (settings ``--prefill-tokens-per-s`` etc.). ``prefill_tokens_per_s``
+    and ``decode_seconds_per_running`` None: each replica's measured ones (module docstring)."""
 
-    prefill_tokens_per_s: float = 20000.0  # a replica's prefill throughput estimate
-    decode_seconds_per_running: float = 0.002  # TTFT added per running sequence (decode interference)
+    prefill_tokens_per_s: float | None = None  # a replica's prefill throughput, tokens/s: overrides the measured
+    decode_seconds_per_running: float | None = None  # TTFT added per running sequence (decode interference), s
     # 5: chosen on `kvroute simulate` (8-64 modelled H100 replicas) and on `make run` (4 CPU replicas
     # on 2 cores), one default for both (README, "Simulating a cluster").
     prefill_work_weight: float = 5.0  # weight of the prefill work this request adds to the cluster
+    backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
     # Off by default: the usage it reads is the last heartbeat's, so for a short prompt a replica that
     # was busy a moment ago loses its prefix to an idle one (README, "Simulating a cluster").
@@ -47,8 +75,12 @@ class ScoringWeights:
     in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
 
     def __post_init__(self) -> None:
-        if self.prefill_tokens_per_s <= 0:
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
+        if self.decode_seconds_per_running is not None and not self.decode_seconds_per_running >= 0:
+            raise ValueError(f"decode_seconds_per_running: must be >= 0, got {self.decode_seconds_per_running}")
+        if not self.backlog_work_weight >= 0:
+            raise ValueError(f"backlog_work_weight: must be >= 0, got {self.backlog_work_weight}")
         if not 0.0 <= self.cpu_match_weight <= 1.0:
             raise ValueError(f"cpu_match_weight: must be in [0, 1], got {self.cpu_match_weight}")
 
@@ -71,6 +103,9 @@ class Candidate:
     running: int = 0
     in_flight: int = 0  # requests the routers have sent and not seen finish
     kv_usage: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # measured by the replica (heartbeat); 0 = not measured
+    decode_seconds_per_running: float = 0.0  # likewise
+    waiting: int = 0  # requests in the replica's waiting queue (heartbeat)
 
     def cached_tokens(self, req: RequestShape) -> int:
         """Tokens of this request the replica is predicted to serve from its prefix cache (GPU+CPU).
@@ -83,6 +118,29 @@ class Candidate:
 Scorer = Callable[[Candidate, RequestShape, ScoringWeights], float]
 
 
+def pool_rate(measured: Iterable[float]) -> float:
+    """The median of the replicas' measured values that are > 0 (0 when none is): what the router
+    charges every replica at (module docstring)."""
+    values = [v for v in measured if v > 0]
+    return statistics.median(values) if values else 0.0
+
+
+def prefill_rate(c: Candidate, w: ScoringWeights) -> float:
+    """Tokens/s the cost charges prefill at on ``c``: the setting, else the replica's measured
+    rate, else :data:`DEFAULT_PREFILL_TOKENS_PER_S`."""
+    if w.prefill_tokens_per_s is not None:
+        return w.prefill_tokens_per_s
+    return c.prefill_tokens_per_s if c.prefill_tokens_per_s > 0 else DEFAULT_PREFILL_TOKENS_PER_S
+
+
+def decode_step_seconds(c: Candidate, w: ScoringWeights) -> float:
+    """Seconds per running sequence on ``c``: the setting, else the measured, else
+    :data:`DEFAULT_DECODE_SECONDS_PER_RUNNING`."""
+    if w.decode_seconds_per_running is not None:
+        return w.decode_seconds_per_running
+    return c.decode_seconds_per_running if c.decode_seconds_per_running > 0 else DEFAULT_DECODE_SECONDS_PER_RUNNING
+
+
 def uncached_tokens(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     """Prompt tokens the replica must compute: a GPU block saves its tokens, a CPU-tier block
     ``cpu_match_weight`` of them; the last prompt token is always computed."""
@@ -92,17 +150,18 @@ def uncached_tokens(c: Candidate, req: RequestShape, w: ScoringWeights) -> float
 
 def prefix_queue_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     """Seconds to prefill what is queued on the replica plus this request's uncached tokens."""
-    return (c.queued_prefill_tokens + uncached_tokens(c, req, w)) / w.prefill_tokens_per_s
+    return (c.queued_prefill_tokens + uncached_tokens(c, req, w)) / prefill_rate(c, w)
 
 
 def prefill_work_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     """The prefill this request adds to the cluster, in seconds, weighted (module docstring)."""
-    return w.prefill_work_weight * uncached_tokens(c, req, w) / w.prefill_tokens_per_s
+    weight = w.prefill_work_weight + w.backlog_work_weight * c.waiting
+    return weight * uncached_tokens(c, req, w) / prefill_rate(c, w)
 
 
 def decode_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     """Decode interference: each running sequence shares the step with our prefill."""
-    return c.running * w.decode_seconds_per_running
+    return c.running * decode_step_seconds(c, w)
 
 
 def kv_usage_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
@@ -171,13 +230,15 @@ class KVRoutePolicy(Policy):
             fns = tuple(self.scorers.values())
             return [sum(fn(c, req, w) for fn in fns) for c in cands]
         prompt, block = req.prompt_tokens, req.block_size
-        rate, cpu_w, work_w = w.prefill_tokens_per_s, w.cpu_match_weight, w.prefill_work_weight
-        decode_s, kv_w, flight_w = w.decode_seconds_per_running, w.kv_usage_weight, w.in_flight_weight
+        cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
+        kv_w, flight_w = w.kv_usage_weight, w.in_flight_weight
         out = []
         for c in cands:
             u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
+            rate, decode_s = prefill_rate(c, w), decode_step_seconds(c, w)
             out.append(
-                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s + work_w * u / rate
+                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s
+                + (work_w + backlog_w * c.waiting) * u / rate
                 + c.kv_usage * kv_w + c.in_flight * flight_w
             )
         return out

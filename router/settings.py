@@ -42,12 +42,17 @@ class RouterSettings:
     hash_seed: str = setting(DEFAULT_SEED, "block hash seed (must match the replicas')")
     policy: str = setting("kvroute", "routing policy", choices=POLICY_NAMES)
     seed: int = setting(-1, "seed of the tie-breaking generator (-1 = random)")
-    prefill_tokens_per_s: float = setting(ScoringWeights.prefill_tokens_per_s, "a replica's prefill rate estimate")
-    decode_seconds_per_running: float = setting(
-        ScoringWeights.decode_seconds_per_running, "TTFT added per running sequence"
+    prefill_tokens_per_s: float | None = setting(
+        None, "a replica's prefill rate, tokens/s, for every replica (default: each replica's measured one)"
+    )
+    decode_seconds_per_running: float | None = setting(
+        None, "TTFT added per running sequence, seconds, for every replica (default: each replica's measured one)"
     )
     prefill_work_weight: float = setting(
         ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"
+    )
+    backlog_work_weight: float = setting(
+        ScoringWeights.backlog_work_weight, "more weight on the prefill work per request waiting on the replica"
     )
     cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
     kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
@@ -77,6 +82,7 @@ class RouterSettings:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_seconds_per_running=self.decode_seconds_per_running,
             prefill_work_weight=self.prefill_work_weight,
+            backlog_work_weight=self.backlog_work_weight,
             cpu_match_weight=self.cpu_match_weight,
             kv_usage_weight=self.kv_usage_weight,
             in_flight_weight=self.in_flight_weight,

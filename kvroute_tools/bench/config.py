@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from kvroute_tools.trace import BUNDLED_TRACE
 
+PROMPT_LENGTHS = ("input_length", "hash_ids")
+"""``--prompt-length``: the trace's ``input_length`` scaled, or every hash id a whole block."""
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -17,6 +20,7 @@ class BenchConfig:
     trace: str = str(BUNDLED_TRACE)
     requests: int | None = 1000
     tokens_per_block: int = 16
+    prompt_length: str = "input_length"  # "hash_ids": len(hash_ids) x tokens_per_block (TraceTokenizer.whole_blocks)
     output_scale: float = 0.02
     max_output_tokens: int = 256
     time_scale: float | None = None
@@ -35,6 +39,8 @@ class BenchConfig:
             raise ValueError(f"--requests: must be >= 1, got {self.requests}")
         if self.tokens_per_block < 1:
             raise ValueError(f"--tokens-per-block: must be >= 1, got {self.tokens_per_block}")
+        if self.prompt_length not in PROMPT_LENGTHS:
+            raise ValueError(f"--prompt-length: expected one of {', '.join(PROMPT_LENGTHS)}, got {self.prompt_length!r}")
         if not (self.output_scale > 0 and math.isfinite(self.output_scale)):
             raise ValueError(f"--output-scale: must be > 0, got {self.output_scale}")
         if self.max_output_tokens < 1:
@@ -73,4 +79,4 @@ class BenchConfig:
         return self.concurrency
 
 
-__all__ = ["BenchConfig"]
+__all__ = ["PROMPT_LENGTHS", "BenchConfig"]

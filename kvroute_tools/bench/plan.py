@@ -1,12 +1,15 @@
 """The trace made concrete: each Mooncake trace request as the prompt, output length and send time
-the bench uses (prompts from kvroute_tools.trace's TraceTokenizer: equal hash ids, equal prefixes)."""
+the bench uses (prompts from kvroute_tools.trace's TraceTokenizer: equal hash ids, equal prefixes),
+and the hit-rate bounds the table shows next to the measured rates."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute_tools.trace import TraceRequest, TraceTokenizer
+from kvroute_tools.simulate.oracles import oracle_rates
+from kvroute_tools.trace import TraceRequest, TraceTokenizer, hit_rate_bounds
 
 
 @dataclass(frozen=True)
@@ -42,4 +45,23 @@ def plan_requests(
     return planned, truncated
 
 
-__all__ = ["PlannedRequest", "plan_requests"]
+def hit_bounds(trace: Sequence[TraceRequest], replicas: int, *, tokens_per_block: int, block_size: int,
+               whole_blocks: bool) -> dict[str, float]:
+    """``{"prompt_tokens", "ideal", "round_robin"}``: the ideal and round-robin hit rates (0..1)
+    over ``replicas`` unlimited caches.
+
+    Prompts from ``input_length`` (``whole_blocks`` False): from the trace's own 512-token blocks
+    and input lengths (:func:`kvroute_tools.trace.hit_rate_bounds`). With ``whole_blocks``, under
+    the engine's lookup rule over the prompts sent, ``len(hash_ids) * tokens_per_block`` tokens in
+    KV blocks of ``block_size``: whole blocks only, the last prompt token recomputed
+    (:func:`kvroute_tools.simulate.oracles.oracle_rates`; ../shared/peers/hit_bounds.py counts the
+    same way), which is what one replica with an unlimited cache measures. When ``block_size``
+    does not divide ``tokens_per_block`` the trace's own bounds are returned.
+    """
+    if not whole_blocks or tokens_per_block % block_size:
+        return hit_rate_bounds(trace, replicas)
+    rates = oracle_rates(trace, replicas, sys.maxsize, tokens_per_block, block_size, whole_blocks=True)
+    return {"prompt_tokens": rates.prompt_tokens, "ideal": rates.ideal, "round_robin": rates.round_robin}
+
+
+__all__ = ["PlannedRequest", "hit_bounds", "plan_requests"]

@@ -51,10 +51,10 @@ from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
 from kvroute_tools.bench.config import BenchConfig
 from kvroute_tools.bench.openai_send import OpenAISender
-from kvroute_tools.bench.plan import PlannedRequest, plan_requests
+from kvroute_tools.bench.plan import PlannedRequest, hit_bounds, plan_requests
 from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report, write_outputs
 from kvroute_tools.client import describe_rpc_error
-from kvroute_tools.trace import TraceTokenizer, hit_rate_bounds, load_mooncake
+from kvroute_tools.trace import TraceTokenizer, load_mooncake
 
 _RPC_TIMEOUT_S = 10.0
 
@@ -286,23 +286,28 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
                         if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) else "")
                 raise BenchError(f"--policies: {describe_rpc_error(e, cfg.target)}{hint}") from e
 
-        tok = TraceTokenizer(cfg.tokens_per_block, vocab_size=info.vocab_size)
+        whole_blocks = cfg.prompt_length == "hash_ids"
+        tok = TraceTokenizer(cfg.tokens_per_block, vocab_size=info.vocab_size, whole_blocks=whole_blocks)
         planned, truncated = plan_requests(
             trace, tok, output_scale=cfg.output_scale, max_output_tokens=cfg.max_output_tokens,
             time_scale=cfg.time_scale, max_model_len=info.max_model_len,
         )
         report = BenchReport(
             config=cfg, model=info.model, block_size=info.block_size, replicas=replicas,
-            bounds=hit_rate_bounds(trace, len(replicas)), num_requests=len(planned),
+            bounds=hit_bounds(trace, len(replicas), tokens_per_block=cfg.tokens_per_block,
+                              block_size=info.block_size, whole_blocks=whole_blocks), num_requests=len(planned),
             prompt_tokens=sum(len(p.token_ids) for p in planned), truncated=truncated,
         )
         run_id = secrets.token_hex(4)
         log(f"kvroute bench: {len(planned)} requests of {cfg.trace} ({report.prompt_tokens:,} prompt tokens, "
-            f"{cfg.tokens_per_block} per trace block; {sum(p.max_tokens for p in planned):,} output tokens) "
+            f"{cfg.tokens_per_block} per trace block{', every hash id whole' if whole_blocks else ''}; {sum(p.max_tokens for p in planned):,} output tokens) "
             f"through {cfg.target}: model {info.model}, {len(replicas)} replicas; {cfg.mode}; run id {run_id}")
         if cfg.tokens_per_block % info.block_size:
             log(f"note: --tokens-per-block {cfg.tokens_per_block} is not a multiple of the KV block size "
                 f"{info.block_size}, so trace blocks and KV blocks do not line up; the bounds are looser")
+        if whole_blocks and not cfg.tokens_per_block % info.block_size:
+            log(f"note: the bounds count whole KV blocks of {info.block_size} with the last prompt token "
+                "recomputed (the engine's lookup rule)")
         if truncated:
             log(f"note: {truncated} prompts were cut to the model's max_model_len {info.max_model_len}")
         runs = [_PolicyRun(p, f"kvroute-bench:{run_id}:{p}") for p in cfg.policies]

@@ -6,14 +6,14 @@ tokens, the replicas' load and preemptions and the router's decision time (``clu
 beside the oracles' hit rates; a table, JSON and PNG charts (``report``).
 
     workload ──▶ cluster (event loop) ──▶ router.core.Router (real index, registry, load, policy)
-                    │                      ▲ adapter.apply_events (KV events), heartbeats
+                    │                      ▲ KV events (router.consumer_feed.IndexFeed), heartbeats
                     ▼                      │
                  replica.SimReplica (replica.engine.scheduler.Scheduler + replica.kv.KVCacheManager,
                                      step times from timing.TimingModel)
     oracles (ideal, pooled LRU, round robin over unlimited caches)        run: the CLI's driver
 
 Modules: timing (step durations), workload (trace -> prompts, arrival scaling, modelled
-capacity), replica, adapter, cluster, oracles, report, run. Policy logic lives in ``router/`` only.
+capacity), replica, cluster, oracles, report, run. Policy logic lives in ``router/`` only.
 Imports: kvroute, router, replica (the scheduler and KV manager; never torch), kvroute_tools.trace;
 matplotlib only when charts are written.
 """

@@ -2,32 +2,39 @@
 
     trace ──arrival──▶ router.core.Router.decide + commit (index, registry, load, policy: the real ones)
                               │ pick                         ▲ heartbeats every heartbeat_s (registry)
-                              ▼                              │ KV events after event_delay_s (adapter)
+                              ▼                              │ KV events after event_delay_s (IndexFeed)
                         SimReplica k (real Scheduler + KVCacheManager, TimingModel) ── first token /
                                                                                        finish ──▶ LoadTracker
 
 Events are processed in time order (a heap; arrivals merge in from the trace). KV events of a step
 leave the replica at the step's end and reach the index ``event_delay_s`` later; they are applied
-lazily, right before the next decision, which is the only reader. The index's clock (speculative
+lazily, right before the next decision, which is the only reader, through the live consumer's
+apply path: each step's events become one ``KVEventBatch`` (``kvroute.events.encode_batch``, the
+replica publisher's encoding, without the token ids, which the router never reads) handed to
+``router.consumer_feed.IndexFeed.entry`` as the next seq of the replica's stream (epoch 1), so the
+ordering rules, the protobuf decode and the index calls are the router's own. The index's clock (speculative
 entries' TTL) is the virtual clock. Requests go to the replica at the instant they are routed (no
 network time). The decision time reported is the wall time of ``decide`` + ``commit``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvroute.events import BlockStored, KVCacheEvent, encode_batch
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import Heartbeat
-from kvroute_tools.simulate.adapter import apply_events
 from kvroute_tools.simulate.replica import SimReplica, SimRequest
 from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.simulate.workload import output_tokens, prompt_of
 from kvroute_tools.trace import TraceRequest
+from router.consumer_feed import IndexFeed
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
@@ -121,13 +128,15 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
     registry = ReplicaRegistry(hasher.identity, "redis")
     load = LoadTracker()
     router = Router(hasher, index, registry, load, policy)
+    feed = IndexFeed(index, registry, threading.Lock())
     ids = cfg.replica_ids()
     reps = [SimReplica(rid, cfg.num_blocks, hasher, cfg.timing, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_num_seqs=cfg.max_num_seqs, cpu_num_blocks=cfg.cpu_blocks) for rid in ids]
     prime = getattr(policy, "observe_prompt", None)
     if hasattr(policy, "block_capacity"):
         policy.block_capacity = cfg.num_blocks - 1
-    pending: list[deque] = [deque() for _ in reps]  # (due_s, events) per replica
+    pending: list[deque] = [deque() for _ in reps]  # (due_s, encoded batch) per replica
+    batches = [0] * len(reps)  # the last seq of each replica's stream
     heap: list = []
     seq = 0
 
@@ -168,12 +177,12 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
                 continue  # a decode window that was cut: its new end is queued
             first, finished, events = rep.finish()
             for sr in first:
-                load.prefill_done(sr.ticket)
+                router.prefill_done(sr.ticket)
             for sr in finished:
-                load.finish(sr.ticket)
+                router.finish(sr.ticket)
                 sr.prompt = []
             if events and kv_fed:
-                pending[k].append((now + cfg.event_delay_s, events))
+                pending[k].append((now + cfg.event_delay_s, step_batch(events, now)))
             st = rep.start(now)
             if st is not None:
                 push(st.end_s, _STEP, k, st)
@@ -188,7 +197,8 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
                            f" {max_tokens}; raise --num-blocks (or --cache-fraction)")
         for k, q in enumerate(pending):
             while q and q[0][0] <= now:
-                apply_events(index, ids[k], q.popleft()[1])
+                batches[k] += 1
+                feed.entry(ids[k], 1, batches[k], q.popleft()[1], history=False)
         t0 = time.perf_counter()
         if prime is not None:
             prime(hasher.event_ints(sr.prompt))
@@ -212,4 +222,10 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
     )
 
 
-__all__ = ["PolicyRun", "SimConfig", "SimError", "simulate"]
+def step_batch(events: Sequence[KVCacheEvent], ts: float) -> bytes:
+    """One step's events as the replica publisher encodes them, the token ids left out (the router
+    never reads them; encoding them would be most of the simulation's time)."""
+    return encode_batch([dataclasses.replace(e, token_ids=()) if isinstance(e, BlockStored) else e for e in events], ts)
+
+
+__all__ = ["PolicyRun", "SimConfig", "SimError", "simulate", "step_batch"]

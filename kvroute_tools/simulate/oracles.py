@@ -36,12 +36,14 @@ class OracleRates:
     pooled: float
 
 
-def block_keys(req: TraceRequest, tokens_per_block: int, block_size: int) -> tuple[list[tuple[int, int]], int]:
-    """(names of the prompt's full KV blocks, prompt tokens). Raises ValueError when block_size
+def block_keys(req: TraceRequest, tokens_per_block: int, block_size: int,
+               whole_blocks: bool = False) -> tuple[list[tuple[int, int]], int]:
+    """(names of the prompt's full KV blocks, prompt tokens; ``whole_blocks``: the prompt length
+    rule of :func:`~kvroute_tools.simulate.workload.prompt_len`). Raises ValueError when block_size
     does not divide tokens_per_block."""
     if tokens_per_block % block_size:
         raise ValueError(f"block_size {block_size} must divide tokens per trace block {tokens_per_block}")
-    n = prompt_len(req, tokens_per_block)
+    n = prompt_len(req, tokens_per_block, whole_blocks)
     sub = tokens_per_block // block_size
     ids = req.hash_ids
     return [(ids[j // sub], j % sub) for j in range(n // block_size)], n
@@ -57,15 +59,15 @@ def _leading(keys: list[tuple[int, int]], cache, cap: int) -> int:
 
 
 def oracle_rates(requests: Sequence[TraceRequest], replicas: int, pooled_blocks: int, tokens_per_block: int,
-                 block_size: int) -> OracleRates:
+                 block_size: int, whole_blocks: bool = False) -> OracleRates:
     """The three oracles over ``requests`` in order (module docstring); ``pooled_blocks``: the
-    cluster's total usable KV blocks."""
+    cluster's total usable KV blocks; ``whole_blocks`` as :func:`block_keys`'."""
     ideal: set = set()
     rr: list[set] = [set() for _ in range(replicas)]
     lru: OrderedDict = OrderedDict()
     total = hit_ideal = hit_rr = hit_pooled = 0
     for i, req in enumerate(requests):
-        keys, n = block_keys(req, tokens_per_block, block_size)
+        keys, n = block_keys(req, tokens_per_block, block_size, whole_blocks)
         cap = max(n - 1, 0) // block_size
         total += n
         hit_ideal += _leading(keys, ideal, cap) * block_size
@@ -83,11 +85,12 @@ def oracle_rates(requests: Sequence[TraceRequest], replicas: int, pooled_blocks:
     return OracleRates(total, rate(hit_ideal), rate(hit_rr), rate(hit_pooled))
 
 
-def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block_size: int) -> int:
+def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block_size: int,
+                  whole_blocks: bool = False) -> int:
     """Distinct full KV blocks over the requests' prompts (what ``--cache-fraction`` scales)."""
     seen: set = set()
     for req in requests:
-        seen.update(block_keys(req, tokens_per_block, block_size)[0])
+        seen.update(block_keys(req, tokens_per_block, block_size, whole_blocks)[0])
     return len(seen)
 
 

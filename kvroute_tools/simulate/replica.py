@@ -26,6 +26,7 @@ from kvroute_tools.simulate.timing import TimingModel
 from replica.engine.params import SamplingParams
 from replica.engine.request import Request
 from replica.engine.scheduler import Scheduler
+from replica.engine.step_rates import StepTimer
 from replica.kv import KVCacheManager
 
 DECODE_TOKEN = 1 << 40  # every generated token: no trace block uses this id, so no prompt hits it
@@ -51,7 +52,8 @@ class SimRequest:
 
 @dataclass(slots=True)
 class Step:
-    """A planned step (``window`` > 0: a decode window of that many steps) ending at ``end_s``."""
+    """A planned step (``window`` > 0: a decode window of that many steps) ending at ``end_s``;
+    ``seqs`` sequences decoded (per step of a window), ``prefill_tokens`` prompt tokens computed."""
 
     start_s: float
     end_s: float
@@ -59,6 +61,7 @@ class Step:
     scheduled: list = field(default_factory=list)
     seqs: int = 0
     kv_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 class SimReplica:
@@ -76,6 +79,7 @@ class SimReplica:
                                  cpu_num_blocks=cpu_num_blocks, copy_fn=_no_copy if cpu_num_blocks else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         self.timing = timing
+        self.step_timer = StepTimer()  # the measured rates its heartbeats carry, as a real replica's
         self.step: Step | None = None
         self.sim: dict[str, SimRequest] = {}  # request_id -> its SimRequest, while here
         self.routed = 0
@@ -101,8 +105,11 @@ class SimReplica:
     def load(self) -> EngineLoad:
         """The heartbeat's load part, as of the last applied step."""
         kv, s = self.kv, self.scheduler
+        rates = self.step_timer.rates
         return EngineLoad(free_blocks=kv.num_free_blocks, running=len(s.running), waiting=len(s.waiting),
-                          usage=kv.usage, queued_prefill_tokens=s.queued_prefill_tokens)
+                          usage=kv.usage, queued_prefill_tokens=s.queued_prefill_tokens,
+                          prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                          decode_seconds_per_running=rates.decode_seconds_per_running)
 
     # -- steps -----------------------------------------------------------------------------------------
     def start(self, now: float) -> Step | None:
@@ -127,7 +134,8 @@ class SimReplica:
             else:
                 prefill += s.num_scheduled_tokens
             kv_read += s.start + s.num_scheduled_tokens
-        self.step = Step(now, now + self.timing.step_seconds(prefill, decode, kv_read), scheduled=out.scheduled)
+        self.step = Step(now, now + self.timing.step_seconds(prefill, decode, kv_read), scheduled=out.scheduled,
+                         seqs=decode, prefill_tokens=prefill)
         return self.step
 
     def _window_length(self) -> int:
@@ -179,6 +187,7 @@ class SimReplica:
         assert st is not None
         self.steps += st.window or 1
         self.busy_s += st.end_s - st.start_s
+        self.step_timer.observe(st.prefill_tokens, st.seqs * (st.window or 1), st.end_s - st.start_s)
         first: list[SimRequest] = []
         done: list[Request] = []
         if st.window:

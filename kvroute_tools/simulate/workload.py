@@ -22,20 +22,21 @@ from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.trace import TraceRequest, TraceTokenizer
 
 
-def prompt_of(req: TraceRequest, tokens_per_block: int) -> list[int]:
-    """The prompt token ids of ``req`` (module docstring). Raises ValueError on empty hash_ids."""
+def prompt_of(req: TraceRequest, tokens_per_block: int, whole_blocks: bool = False) -> list[int]:
+    """The prompt token ids of ``req`` (module docstring; ``whole_blocks`` as
+    :class:`~kvroute_tools.trace.TraceTokenizer`'s). Raises ValueError on empty hash_ids."""
     if not req.hash_ids:
         raise ValueError("hash_ids: empty")
     tokens: list[int] = []
     for h in req.hash_ids:
         tokens += [h] * tokens_per_block
-    del tokens[TraceTokenizer(tokens_per_block).prompt_len(req):]
+    del tokens[prompt_len(req, tokens_per_block, whole_blocks):]
     return tokens
 
 
-def prompt_len(req: TraceRequest, tokens_per_block: int) -> int:
-    """``len(prompt_of(req, tokens_per_block))`` without building it."""
-    return TraceTokenizer(tokens_per_block).prompt_len(req)
+def prompt_len(req: TraceRequest, tokens_per_block: int, whole_blocks: bool = False) -> int:
+    """``len(prompt_of(req, tokens_per_block, whole_blocks))`` without building it."""
+    return TraceTokenizer(tokens_per_block, whole_blocks=whole_blocks).prompt_len(req)
 
 
 def output_tokens(req: TraceRequest, output_scale: float) -> int:

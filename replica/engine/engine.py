@@ -28,6 +28,7 @@ from replica.engine.request import Request, RequestStatus
 from replica.engine.runner import ModelRunner
 from replica.engine.sampling import Sampler, SamplingState
 from replica.engine.scheduler import Scheduler, SchedulerOutput
+from replica.engine.step_rates import StepTimer
 from replica.engine.stop import check_stop
 from replica.kv import KVCacheManager
 from replica.model.loader import load_model_folder
@@ -166,6 +167,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step = StepStats()
         self.num_steps = 0
+        self.step_timer = StepTimer()  # measured prefill rate and decode step time (the heartbeat's)
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -276,10 +278,18 @@ class LLMEngine:
 
         Returns one output per request that produced a token or finished this step.
         """
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self._record(sched)
         if sched.is_empty:
             return []
+        try:
+            return self._run(sched)
+        finally:
+            st = self.last_step
+            self.step_timer.observe(st.num_prefill_tokens, st.num_decode_tokens, time.perf_counter() - t0)
+
+    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         logits = self.runner.execute(sched)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:

@@ -41,7 +41,8 @@ def engine_load(sample: EngineSample) -> EngineLoad:
     """The heartbeat's load part of a sample."""
     return EngineLoad(
         free_blocks=sample.free_blocks, running=sample.running, waiting=sample.waiting, usage=sample.kv_usage,
-        queued_prefill_tokens=sample.queued_prefill_tokens,
+        queued_prefill_tokens=sample.queued_prefill_tokens, prefill_tokens_per_s=sample.prefill_tokens_per_s,
+        decode_seconds_per_running=sample.decode_seconds_per_running,
     )
 
 

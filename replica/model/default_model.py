@@ -7,7 +7,7 @@ nonsense, fluently and at length (the special tokens' LM-head rows are zero, so 
 never picks EOS and tests get long outputs).
 
 Folder contents: ``config.json`` (LlamaForCausalLM: hidden 256, 4 layers, 8 heads, 4 KV heads,
-intermediate 688, max positions 4096, float32), ``generation_config.json``, ``model.safetensors``,
+intermediate 688, max positions 8192, float32), ``generation_config.json``, ``model.safetensors``,
 ``tokenizer.json`` (byte-level BPE trained with ``tokenizers`` on the built-in text below, plus
 Llama-3-style special tokens; a post-processor adds BOS), ``tokenizer_config.json`` (with a
 Llama-3-style chat template). It loads unchanged in transformers' ``LlamaForCausalLM`` and
@@ -45,7 +45,13 @@ INTERMEDIATE_SIZE = 688
 NUM_LAYERS = 4
 NUM_HEADS = 8
 NUM_KV_HEADS = 4
-MAX_POSITION_EMBEDDINGS = 4096
+# 8192 holds every prompt of the bundled trace with 32 tokens per hash id (the longest is 7,925
+# tokens with its output), the workload the peer routers were measured on (../shared/peers).
+# RoPE needs nothing more: its cos/sin table is computed on demand up to the longest sequence.
+MAX_POSITION_EMBEDDINGS = 8192
+# config.json keys whose value changed between revisions of the generated model (4096 positions
+# until 2026-12-02): a folder whose config differs from today's only there is regenerated.
+_REVISED_CONFIG_KEYS = frozenset({"max_position_embeddings"})
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-5
 INIT_STD = 0.02
@@ -111,7 +117,9 @@ Then he sat by the window with a cup of tea and watched the lights of the ships 
 def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
     """Return ``path``, generating the default model there first unless a model is already there.
 
-    A folder that already has ``config.json`` is taken as is. Otherwise the files are written to a
+    A folder that already has ``config.json`` is taken as is, unless it holds an earlier revision
+    of the default model (a config that differs from today's only in ``_REVISED_CONFIG_KEYS``),
+    which is rewritten in place, file by file as below. Otherwise the files are written to a
     temporary sibling folder and renamed into place, so readers never see half a model; when
     ``path`` is an existing directory (say, an empty volume mount, which can't be renamed over) the
     files are written into it one by one, each atomically, ``config.json`` last.
@@ -121,7 +129,7 @@ def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
             ``config.json``.
     """
     path = Path(path)
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() and not _earlier_revision(path / "config.json"):
         return path
     if path.exists() and not path.is_dir():
         raise ModelLoadError(f"default model path {path} exists and is not a directory", path=path)
@@ -163,29 +171,7 @@ def build_default_model_files(seed: int = DEFAULT_SEED) -> dict[str, bytes]:
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HIDDEN_SIZE // NUM_HEADS,
-        "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "rms_norm_eps": RMS_NORM_EPS,
-        "rope_theta": ROPE_THETA,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "vocab_size": vocab_size,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "initializer_range": INIT_STD,
-        "torch_dtype": "float32",
-    }
+    config = _config(tokenizer)
     generation_config = {
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[EOS_TOKEN], ids[EOT_TOKEN]],
@@ -208,6 +194,47 @@ def build_default_model_files(seed: int = DEFAULT_SEED) -> dict[str, bytes]:
         "tokenizer.json": tokenizer.to_str(pretty=True).encode("utf-8"),
         "tokenizer_config.json": _json_bytes(tokenizer_config),
     }
+
+
+def _config(tokenizer: Tokenizer) -> dict[str, Any]:
+    """``config.json``'s content for the default model with ``tokenizer`` (``build_tokenizer``)."""
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN_SIZE,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HIDDEN_SIZE // NUM_HEADS,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab_size,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "initializer_range": INIT_STD,
+        "torch_dtype": "float32",
+    }
+
+
+def _earlier_revision(config_path: Path) -> bool:
+    """Whether ``config_path`` holds the config of an earlier revision of the default model."""
+    try:
+        found = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    want = _config(build_tokenizer())
+    if not isinstance(found, dict) or found == want:
+        return False
+    return {k for k in found.keys() | want.keys() if found.get(k) != want.get(k)} <= _REVISED_CONFIG_KEYS
 
 
 def build_tokenizer() -> Tokenizer:

@@ -97,7 +97,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
             # with it). Released now; recorded after, off the event loop's current turn.
             if call.ticket is not None:
-                self._proxy.router.load.finish(call.ticket)
+                self._proxy.router.finish(call.ticket)
             asyncio.get_running_loop().call_soon(self._record, call, time.perf_counter() - call.t0)
 
     def _answer(self, call: _Call, msg: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
@@ -116,7 +116,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             return self._pick(call, msg, msg.request_body.body)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
             if call.ticket is not None:
-                self._proxy.router.load.prefill_done(call.ticket)
+                self._proxy.router.prefill_done(call.ticket)
             return protocol.continue_response_headers()
         if kind == "response_trailers":
             return self._trailers(call, protocol.header_map(msg.response_trailers))
@@ -159,7 +159,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def _settle_prefill(self) -> None:
         """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
         (module docstring). Pick order, stopping at the first not covered: O(1) amortised."""
-        registry, load = self._proxy.router.registry, self._proxy.router.load
+        router = self._proxy.router
+        registry = router.registry
         while self._unsettled:
             call = self._unsettled[0]
             ticket = call.ticket
@@ -167,7 +168,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 info = registry.get(ticket.replica_id)
                 if info is not None and info.written_at < call.picked_at + _COVERED_AFTER_S:
                     return
-                load.prefill_done(ticket)
+                router.prefill_done(ticket)  # the load's pending prefill and the held speculative entries
             self._unsettled.popleft()
 
     def _full_queues(self, exclude: Sequence[str]) -> list[ReplicaInfo]:

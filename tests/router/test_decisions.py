@@ -2,12 +2,13 @@
 
 Numbers: block_size 16, prefill rate 1,000 tokens/s (so 1 token = 1 ms), decode term 2 ms per
 running sequence, prefill-work weight 1 (each uncached token costs 1 ms more), no kv-usage or
-in-flight terms. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
+in-flight terms, nothing waiting. So cost(r) = queued + 2 x uncached + 2 x running, in ms.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 
 import pytest
@@ -204,13 +205,77 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
                              cpu_match_weight=0.3, kv_usage_weight=0.07, in_flight_weight=0.011)
     cands = [
         Candidate(f"r{i}", Match(gpu=rng.randrange(40), cpu=rng.randrange(10)), queued_prefill_tokens=rng.randrange(5000),
-                  running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random())
+                  running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random(),
+                  prefill_tokens_per_s=rng.choice([0.0, rng.uniform(100, 1e5)]),
+                  decode_seconds_per_running=rng.choice([0.0, rng.uniform(1e-4, 0.05)]), waiting=rng.randrange(20))
         for i in range(200)
     ]
-    for req in (RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)):
-        fast = KVRoutePolicy(weights)
+    measured = ScoringWeights(prefill_work_weight=2.5, cpu_match_weight=0.3, kv_usage_weight=0.07)
+    for req, w in itertools.product((RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)),
+                                    (weights, measured)):
+        fast = KVRoutePolicy(w)
         wrapped = {name: functools.partial(fn) for name, fn in DEFAULT_SCORERS.items()}
-        slow = KVRoutePolicy(weights, scorers=wrapped)  # not the defaults: one call per scorer
+        slow = KVRoutePolicy(w, scorers=wrapped)  # not the defaults: one call per scorer
         expected = [fast.score(c, req).cost for c in cands]
         assert fast.costs(cands, req) == expected
         assert slow.costs(cands, req) == expected
+
+
+MEASURED = ScoringWeights(prefill_work_weight=1.0)  # rates from the replicas' heartbeats
+
+
+def test_every_replica_is_costed_at_the_pools_median_measured_rates():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2", "R3", "R4"], weights=MEASURED, hasher=hasher)
+    measured = {"R1": (4000.0, 0.001), "R2": (1000.0, 0.003), "R3": (2000.0, 0.0)}  # R4: nothing yet
+    for i, (rid, (rate, step)) in enumerate(measured.items()):
+        router.registry.update_from_heartbeat(heartbeat(rid, i, hasher, running=10 if rid == "R1" else 0,
+                                                        prefill_tokens_per_s=rate, decode_seconds_per_running=step),
+                                              now=0.0)
+    d = router.decide(prompt(8, 320))
+    # Medians of what was measured (> 0): 2,000 tokens/s of (1,000, 2,000, 4,000); 2 ms of (1, 3).
+    # R1: 2 x 320 / 2,000 + 10 x 2 ms; the others 2 x 320 / 2,000.
+    assert d.score_of("R1").cost == pytest.approx(0.340)
+    assert [d.score_of(r).cost for r in ("R2", "R3", "R4")] == [pytest.approx(0.320)] * 3
+    assert d.picked.replica_id != "R1"
+
+
+def test_rate_settings_override_what_the_replicas_measured():
+    hasher = BlockHasher(block_size=B)
+    p = prompt(8, 320)
+    for weights, picked in ((MEASURED, "R1"), (WEIGHTS, "R2")):
+        router = make_router(["R1", "R2"], weights=weights, hasher=hasher)
+        router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, running=40, prefill_tokens_per_s=4000.0,
+                                                        decode_seconds_per_running=0.0001), now=0.0)
+        router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0,
+                                                        decode_seconds_per_running=0.0001), now=0.0)
+        router.index.add("R1", hasher.event_ints(p)[:2])  # 32 of the 320 tokens
+        d = router.decide(p)
+        # Measured, the medians 2,500 tokens/s and 0.1 ms: R1 2 x 288 / 2,500 + 40 x 0.1 ms = 0.2344 s
+        # against R2 2 x 320 / 2,500 = 0.256 s. At the settings (1,000 tokens/s, 2 ms a running
+        # sequence): R1 0.576 + 0.080 = 0.656 s against R2 0.640 s.
+        assert d.picked.replica_id == picked
+
+
+def test_a_heartbeat_with_a_non_finite_rate_is_not_routable():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1"], hasher=hasher)
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s="inf"), now=0.0)
+    assert [r.replica_id for r in router.registry.routable()] == ["R1"]
+    assert "prefill_tokens_per_s='inf'" in router.registry.get("R2").reason
+
+
+@pytest.mark.parametrize(("waiting", "picked"), [(0, "R2"), (100, "R1")])
+def test_on_backlogged_replicas_the_prefix_outweighs_the_shorter_queue(waiting, picked):
+    router, p2 = setup_r1_busy(r1_queued=5000)  # R1 holds 288 of P2's 320 tokens
+    hasher = BlockHasher(block_size=B)
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, queued_prefill_tokens=5000, waiting=waiting),
+                                          now=0.0)
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, queued_prefill_tokens=3000, waiting=waiting),
+                                          now=0.0)
+    d = router.decide(p2)
+    # Each uncached token weighs 1 + waiting more: R1 (5,000 + 32) + (1 + w) x 32 ms against
+    # R2 (3,000 + 320) + (1 + w) x 320 ms. w = 0: 5.064 s against 3.640 s; w = 100: 8.264 against 35.640.
+    assert d.score_of("R1").cost == pytest.approx((5032 + (1 + waiting) * 32) / 1000)
+    assert d.score_of("R2").cost == pytest.approx((3320 + (1 + waiting) * 320) / 1000)
+    assert d.picked.replica_id == picked

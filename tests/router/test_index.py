@@ -167,3 +167,22 @@ def test_add_remove_clear_keep_counts_and_masks_equal_to_a_reference(events, wal
         got = {h: {r for r in index.replicas if index.has(r, h, medium)} for h in index._masks[medium]}
         assert {h: {r for r in index.replicas if mask & index._bits[r]} for h, mask in index._masks[medium].items()} == got
         assert got == holders
+
+
+def test_held_speculative_entries_outlive_the_ttl_until_released():
+    now = [0.0]
+    index = BlockIndex(speculative_ttl=2.0, clock=lambda: now[0])
+    index.add_speculative("a", [1, 2, 3], hold=True)  # a request queued behind a long backlog
+    index.add_speculative("b", [1, 2])  # an ordinary credit
+    now[0] = 100.0
+    got = index.lookup([1, 2, 3])
+    assert got["a"] == Match(gpu=3, speculative=3)
+    assert got.get("b", Match()) == Match()
+    index.release_speculative("a", [1, 2, 3])  # its prefill is done: 2 s more
+    now[0] = 101.9
+    assert index.lookup([1, 2, 3])["a"] == Match(gpu=3, speculative=3)
+    now[0] = 102.0
+    assert index.lookup([1, 2, 3]).get("a", Match()) == Match()
+    index.release_speculative("a", [1, 2, 3])  # released twice, or never held: nothing comes back
+    index.release_speculative("zz", [1])
+    assert index.lookup([1, 2, 3]).get("a", Match()) == Match()

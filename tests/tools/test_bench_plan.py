@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+import pytest
 
 from kvroute_tools.bench.config import BenchConfig
-from kvroute_tools.bench.plan import plan_requests
+from kvroute_tools.bench.plan import hit_bounds, plan_requests
 from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report
 from kvroute_tools.client import describe_rpc_error
 from kvroute_tools.cluster import ClusterConfig, LocalCluster
@@ -47,6 +48,30 @@ def test_plan_cuts_prompts_to_max_model_len_and_keeps_room_for_output():
     assert truncated == 1
     assert (len(planned[0].token_ids), planned[0].max_tokens) == (63, 1)
     assert (len(planned[1].token_ids), planned[1].max_tokens) == (32, 32)
+
+
+def test_plan_with_whole_blocks_makes_every_hash_id_one_block_whatever_the_input_length():
+    # input_length 700 scaled to 16 per 512 would be round(21.875) = 22 tokens; whole blocks: 2 x 16.
+    trace = [_req(0.0, 700, 10, (1, 2)), _req(0.0, 100, 10, (1, 2, 3))]
+    scaled, _ = plan_requests(trace, TraceTokenizer(16), output_scale=1.0, max_output_tokens=5, time_scale=None)
+    whole, _ = plan_requests(trace, TraceTokenizer(16, whole_blocks=True), output_scale=1.0, max_output_tokens=5,
+                             time_scale=None)
+    assert [len(p.token_ids) for p in scaled] == [22, 3]
+    assert [len(p.token_ids) for p in whole] == [32, 48]
+    assert whole[1].token_ids[:32] == whole[0].token_ids
+    assert whole[0].token_ids[:22] == scaled[0].token_ids
+
+
+def test_whole_block_bounds_count_whole_kv_blocks_and_recompute_the_last_token():
+    # 32 tokens per hash id, KV blocks of 16: prompts of 64, 96 and 32 tokens, 192 in all.
+    trace = [_req(0.0, 1, 1, (1, 2)), _req(0.0, 1, 1, (1, 2, 3)), _req(0.0, 1, 1, (1,))]
+    b = hit_bounds(trace, 2, tokens_per_block=32, block_size=16, whole_blocks=True)
+    # ideal: r1 hits the 4 blocks of ids 1, 2 (cap (96 - 1) // 16 = 5); r2 would hit 2 blocks of
+    # id 1 but is capped at (32 - 1) // 16 = 1 block: (64 + 16) / 192.
+    assert b == {"prompt_tokens": 192, "ideal": 80 / 192, "round_robin": 16 / 192}
+    # Round robin: r1 goes to the second, empty cache; r2 to the first, which holds id 1: 16 / 192.
+    # Without whole blocks: the trace's own bounds, over its input lengths (1 + 1 + 1 tokens).
+    assert hit_bounds(trace, 2, tokens_per_block=32, block_size=16, whole_blocks=False)["prompt_tokens"] == 3
 
 
 def _policy(name: str, replicas: list[str], hits: int, ttft: float) -> PolicyResult:
@@ -121,4 +146,20 @@ def test_up_fills_in_the_router_target_in_the_command():
                           cluster) == ["bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0", "--t", "/run/token"]
     finally:
         cluster.router = None
+        cluster.stop()
+
+
+def test_up_gives_each_replica_its_http_port_and_metrics_and_refuses_a_taken_one():
+    from kvroute_tools.cluster import ClusterError
+    from kvroute_tools.redis_server import free_port
+
+    base = free_port()
+    cluster = LocalCluster(ClusterConfig(replicas=2, replica_http_base_port=base))
+    try:
+        argv = cluster._replica_argv("replica-1", 5001, base + 1)
+        assert argv[argv.index("--http-port") + 1] == str(base + 1) and "--metrics-port" in argv
+        assert "--http-port" not in cluster._replica_argv("replica-0", 5000)
+        with pytest.raises(ClusterError, match=rf"--replica-http-base-port: port\(s\) {base + 1} "):
+            cluster._replica_http_ports([5000, base + 1])  # the second one is a gRPC port
+    finally:
         cluster.stop()

@@ -111,20 +111,20 @@ def test_longest_allowed_prompt_is_accepted_and_gets_one_token(default_model_dir
     assert eng.kv.num_free_blocks == free
 
 
-@pytest.mark.parametrize("max_model_len", [4097, 1, -5])
+@pytest.mark.parametrize("max_model_len", [8193, 1, -5])
 def test_max_model_len_outside_what_the_model_computes_is_refused_at_startup(
     default_model_dir, max_model_len
 ):
-    """The default model has max_position_embeddings 4096: a longer max_model_len would run RoPE
+    """The default model has max_position_embeddings 8192: a longer max_model_len would run RoPE
     positions (or, for a sliding-window model, full attention) past what the model computes exactly,
     silently; the engine refuses to start instead, naming the setting (vLLM does the same)."""
     cfg = EngineConfig(
         device="cpu", block_size=16, num_blocks=300, max_model_len=max_model_len, torch_threads=1
     )
-    with pytest.raises(ValueError, match=r"^max_model_len: .*4096"):
+    with pytest.raises(ValueError, match=r"^max_model_len: .*8192"):
         LLMEngine(default_model_dir, cfg)
 
 
 def test_max_model_len_equal_to_the_model_limit_is_accepted(default_model_dir):
-    cfg = EngineConfig(device="cpu", block_size=16, num_blocks=257, max_model_len=4096, torch_threads=1)
-    assert LLMEngine(default_model_dir, cfg).max_model_len == 4096
+    cfg = EngineConfig(device="cpu", block_size=16, num_blocks=513, max_model_len=8192, torch_threads=1)
+    assert LLMEngine(default_model_dir, cfg).max_model_len == 8192

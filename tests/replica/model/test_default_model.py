@@ -45,3 +45,24 @@ def test_ensure_default_model_keeps_an_existing_folder_and_fills_an_empty_one(de
     (cluttered / "notes.txt").write_text("mine")
     with pytest.raises(ModelLoadError, match="notes.txt"):
         ensure_default_model(cluttered)
+
+
+def test_an_earlier_revision_is_rewritten_and_another_model_is_left_alone(tmp_path):
+    files = build_default_model_files()
+    old = tmp_path / "old"
+    old.mkdir()
+    for name, data in files.items():
+        (old / name).write_bytes(data)
+    config = json.loads(files["config.json"])
+    assert config["max_position_embeddings"] == 8192
+    (old / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))  # before 2026-12-02
+    assert ensure_default_model(old) == old
+    assert {name: (old / name).read_bytes() for name in files} == files
+
+    # Another architecture at that path is someone's own model: taken as is.
+    other = tmp_path / "other"
+    other.mkdir()
+    theirs = json.dumps({**config, "max_position_embeddings": 4096, "hidden_size": 512})
+    (other / "config.json").write_text(theirs)
+    assert ensure_default_model(other) == other
+    assert (other / "config.json").read_text() == theirs and sorted(p.name for p in other.iterdir()) == ["config.json"]

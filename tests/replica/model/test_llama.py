@@ -41,7 +41,7 @@ def test_default_model_shape_is_small_llama_with_gqa(ours_default, default_model
     assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers) == ("LlamaForCausalLM", 256, 4)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (8, 4, 688)
     assert cfg.vocab_size == ours_default.tokenizer.vocab_size
-    assert cfg.max_position_embeddings == 4096 and not cfg.tie_word_embeddings
+    assert cfg.max_position_embeddings == 8192 and not cfg.tie_word_embeddings
     num_params = sum(p.numel() for p in ours_default.model.parameters())
     assert 1_000_000 < num_params < 10_000_000
 

@@ -8,6 +8,7 @@ batch and feed it to ReplicaCacheState, loading the snapshot when it starts late
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from kvroute.ordering import ReplicaCacheState
 from kvroute.redis_layout import RedisLayout
 from kvroute_tools.redis_server import RedisServer
 from replica.engine.step_hook import take_step_sample
+from replica.engine.step_rates import StepRates
 from replica.kv import PrefixCacheStats
 from replica.publisher import NullEventPublisher, PublisherStats, RedisEventPublisher
 from tests import support_redis
@@ -177,7 +179,7 @@ def test_on_step_never_raises_into_the_engine(server, layout):
 
 class StubEngine:
     """What the step hook (replica.engine.step_hook) reads of an ``LLMEngine``: the KV manager and
-    its stats, the scheduler's queues, the events."""
+    its stats, the scheduler's queues, the measured step rates, the events."""
 
     def __init__(self, events: list):
         self.events = events
@@ -186,6 +188,7 @@ class StubEngine:
         self.scheduler = SimpleNamespace(running=[object(), object()], waiting=[object()], queued_prefill_tokens=96,
                                          num_preemptions=0)
         self.num_steps = 0
+        self.step_timer = SimpleNamespace(rates=StepRates(prefill_tokens_per_s=5000.0, decode_seconds_per_running=0.004))
 
     def take_kv_events(self) -> list:
         events, self.events = self.events, []
@@ -201,7 +204,8 @@ def test_the_step_hook_takes_the_engine_events_and_load_even_when_nothing_is_pub
 
     engine = StubEngine([BlockStored((1,), None, (), 16)])
     take_step_sample(engine, Recording())
-    assert seen == [([BlockStored((1,), None, (), 16)], LOAD)] and engine.events == []
+    measured = dataclasses.replace(LOAD, prefill_tokens_per_s=5000.0, decode_seconds_per_running=0.004)
+    assert seen == [([BlockStored((1,), None, (), 16)], measured)] and engine.events == []
     engine.events = [BlockStored((2,), None, (), 16)]
     null = NullEventPublisher()
     null.start()
