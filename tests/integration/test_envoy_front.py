@@ -131,7 +131,7 @@ def test_bad_request_is_invalid_argument_naming_the_field_and_picks_nothing(via_
     for request, field in [(gen_pb.GenerateRequest(), "prompt"), (ids_request([1, 100000, 2]), "prompt.token_ids"),
                            (gen_pb.GenerateRequest(text=""), "prompt"),
                            (ids_request([1, 2, 3], gen_pb.SamplingParams(max_tokens=0)), "max_tokens"),
-                           (ids_request([1] * 5000), "prompt")]:  # longer than the model holds
+                           (ids_request([1] * 9000), "prompt")]:  # longer than the model holds
         with pytest.raises(grpc.RpcError) as err:
             list(via_envoy.GenerateStream(request, timeout=T))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -57,7 +57,7 @@ def ghost_router(redis_server, default_model_dir):
     [
         (gen_pb.SamplingParams(top_p=2.0), prompt(1, 40), "top_p: must be in (0, 1], got 2.0"),
         (gen_pb.SamplingParams(min_tokens=20, max_tokens=10), prompt(2, 40), "min_tokens: must be at most"),
-        (GREEDY, prompt(3, 4096), "prompt: is 4096 tokens, but the model holds at most 4096 tokens"),
+        (GREEDY, prompt(3, 8192), "prompt: is 8192 tokens, but the model holds at most 8192 tokens"),
     ],
     ids=["top_p", "min_tokens", "too_long"],
 )
@@ -78,7 +78,7 @@ def test_a_prompt_the_replica_refuses_leaves_no_speculative_entries_for_its_pref
                                redis_url=redis_server.url, namespace="short", heartbeat_interval=0.2)
     with BackgroundReplica(settings), routed(redis_server, default_model_dir, "short") as router:
         wait_for(lambda: router.server.registry.routable(), what="the replica routable")
-        huge = prompt(4, 1000)  # fits the model folder's 4096 (the router's limits before any answer)
+        huge = prompt(4, 1000)  # fits the model folder's 8192 (the router's limits before any answer)
         with grpc.insecure_channel(router.target) as channel:
             gen = gen_grpc.GenerationServiceStub(channel)
             with pytest.raises(grpc.RpcError) as err:
