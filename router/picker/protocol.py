@@ -28,13 +28,21 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
 
-def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None) -> dict[str, str]:
+def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None,
+               names: frozenset[str] | None = None) -> dict[str, str]:
     """An ext_proc header map as ``{lower-case name: value}`` (Envoy sends ``raw_value`` bytes;
-    older gateways ``value``). A repeated name keeps its last value."""
+    older gateways ``value``). A repeated name keeps its last value. With ``names`` (lower-case),
+    only those are decoded and returned (the others cost a name comparison each)."""
     if headers is None:
         return {}
     entries = headers.headers.headers if isinstance(headers, ext_pb.HttpHeaders) else headers.trailers.headers
-    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in entries}
+    out: dict[str, str] = {}
+    for h in entries:
+        key = h.key.lower()
+        if names is None or key in names:
+            raw = h.raw_value
+            out[key] = raw.decode("utf-8", "replace") if raw else h.value
+    return out
 
 
 def subset_hint(metadata: core_pb.Metadata) -> list[str] | None:
@@ -64,13 +72,19 @@ def _header(name: str, value: str) -> core_pb.HeaderValueOption:
     )
 
 
+_CONTINUE_HEADERS = ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+_CONTINUE_RESPONSE_HEADERS = ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+
+
 def continue_headers() -> ext_pb.ProcessingResponse:
-    """CONTINUE for a request headers message (the pick follows the body)."""
-    return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+    """CONTINUE for a request headers message (the pick follows the body). One shared message:
+    callers must not mutate it."""
+    return _CONTINUE_HEADERS
 
 
 def continue_response_headers() -> ext_pb.ProcessingResponse:
-    return ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+    """CONTINUE for a response headers message (shared, as :func:`continue_headers`)."""
+    return _CONTINUE_RESPONSE_HEADERS
 
 
 def destination(endpoints: Sequence[str], *, on_headers: bool = False) -> ext_pb.ProcessingResponse:

@@ -8,7 +8,8 @@ One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
                         → decide (minus the replicas outside the subset hint) → commit
                         → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
     ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
-                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens
+                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens, and the picker
+                          ends the stream (the last message Envoy sends: no read of its half-close)
     stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
@@ -49,6 +50,8 @@ from router.registry import ReplicaInfo
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+_REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
+_TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
 
 
@@ -64,6 +67,7 @@ class _Call:
     picked_at: float = 0.0  # wall clock (Unix seconds), against the heartbeats' ``written_at``
     cached_tokens: int | None = None
     status: str = ""  # the call's final grpc-status name, or the picker's refusal
+    answered_trailers: bool = False  # nothing more will come: the stream can end
     operation: str = "text_completion"
 
     @property
@@ -93,6 +97,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
                 await context.write(self._answer(call, msg))
+                if call.answered_trailers:
+                    break
         finally:
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
             # with it). Released now; recorded after, off the event loop's current turn.
@@ -104,7 +110,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         """The answer to one message of the stream (the module docstring's table)."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            headers = protocol.header_map(msg.request_headers)
+            headers = protocol.header_map(msg.request_headers, _REQUEST_HEADERS)
             call.path = headers.get(":path", "").split("?", 1)[0]
             call.content_type = headers.get("content-type", "")
             if msg.request_headers.end_of_stream or not is_generation(call.path):
@@ -119,7 +125,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 self._proxy.router.load.prefill_done(call.ticket)
             return protocol.continue_response_headers()
         if kind == "response_trailers":
-            return self._trailers(call, protocol.header_map(msg.response_trailers))
+            return self._trailers(call, protocol.header_map(msg.response_trailers, _TRAILERS))
         return _pass_through(kind)  # a mode we did not ask for: let it pass unchanged
 
     # -- the pick ----------------------------------------------------------------------------------
@@ -199,6 +205,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
 
     # -- the response ------------------------------------------------------------------------------
     def _trailers(self, call: _Call, trailers: dict[str, str]) -> ext_pb.ProcessingResponse:
+        call.answered_trailers = True
         call.status = _status_name(trailers.get("grpc-status", "0"))
         raw = trailers.get(MD_CACHED_TOKENS, "")
         call.cached_tokens = int(raw) if raw.isdigit() else None

@@ -49,3 +49,10 @@ def test_header_map_reads_raw_values_and_values_by_lower_case_name():
     headers = ext_pb.HttpHeaders(headers=core_pb.HeaderMap(headers=[
         core_pb.HeaderValue(key=":path", raw_value=b"/x"), core_pb.HeaderValue(key="Content-Type", value="a")]))
     assert protocol.header_map(headers) == {":path": "/x", "content-type": "a"}
+
+
+def test_header_map_with_names_decodes_only_those():
+    headers = ext_pb.HttpHeaders(headers=core_pb.HeaderMap(headers=[
+        core_pb.HeaderValue(key=":path", raw_value=b"/x"), core_pb.HeaderValue(key="Content-Type", value="a"),
+        core_pb.HeaderValue(key="user-agent", raw_value=b"grpc")]))
+    assert protocol.header_map(headers, frozenset({"content-type", "absent"})) == {"content-type": "a"}
