@@ -26,6 +26,11 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# A gateway that skips the request headers message (kvroute_tools.envoy's bootstrap) sends what the
+# pick needs of them as ext_proc request attributes (CEL) with the body message, in this namespace.
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+PATH_ATTRIBUTE = "request.path"
+CONTENT_TYPE_ATTRIBUTE = "request.headers['content-type']"
 
 
 def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None,
@@ -43,6 +48,18 @@ def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None,
             raw = h.raw_value
             out[key] = raw.decode("utf-8", "replace") if raw else h.value
     return out
+
+
+def path_and_content_type(msg: ext_pb.ProcessingRequest) -> tuple[str, str]:
+    """(``:path``, ``content-type``) from the message's request attributes (``("", "")`` for those
+    it lacks: a message of a gateway that sent the headers, or sends no attributes)."""
+    attrs = msg.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is None:
+        return "", ""
+    fields = attrs.fields
+    path = fields[PATH_ATTRIBUTE].string_value if PATH_ATTRIBUTE in fields else ""
+    content_type = fields[CONTENT_TYPE_ATTRIBUTE].string_value if CONTENT_TYPE_ATTRIBUTE in fields else ""
+    return path, content_type
 
 
 def subset_hint(metadata: core_pb.Metadata) -> list[str] | None:
@@ -128,6 +145,9 @@ def trailers_response(add: Mapping[str, str]) -> ext_pb.ProcessingResponse:
 
 
 __all__ = [
+    "ATTRIBUTES_NAMESPACE",
+    "CONTENT_TYPE_ATTRIBUTE",
+    "PATH_ATTRIBUTE",
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
     "SUBSET_KEY",
@@ -137,6 +157,7 @@ __all__ = [
     "destination",
     "header_map",
     "immediate",
+    "path_and_content_type",
     "subset_hint",
     "trailers_response",
 ]

@@ -1,7 +1,7 @@
 """``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
 answered with the proxy's decision path (router.picker's table). Runs on the router's gRPC server.
 
-One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
+One stream, as a gateway that sends the request headers drives it::
 
     ← request_headers   remember :path, content-type                       → CONTINUE
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
@@ -11,6 +11,10 @@ One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
                         → + x-kvroute-replica, x-kvroute-predicted-cached-tokens, and the picker
                           ends the stream (the last message Envoy sends: no read of its half-close)
     stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+
+Envoy configured by ``kvroute_tools.envoy`` skips the headers message (one message fewer on the way
+to the first byte): the body comes first, with :path and content-type as its request attributes
+(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata.
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
 answered, a Python wake-up on every call's time to first token (measured: most of what the picker
@@ -114,12 +118,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             call.path = headers.get(":path", "").split("?", 1)[0]
             call.content_type = headers.get("content-type", "")
             if msg.request_headers.end_of_stream or not is_generation(call.path):
-                return self._pick(call, msg, None)  # no prompt: any routable replica
+                return self._pick(call, msg, None, on_headers=True)  # no prompt: any routable replica
             return protocol.continue_headers()
         if kind == "request_body":
             if call.decision is not None or call.status:  # picked (or refused) on the headers
                 return ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
-            return self._pick(call, msg, msg.request_body.body)
+            if not call.path:  # the headers message was skipped: what the pick needs came along
+                path, call.content_type = protocol.path_and_content_type(msg)
+                call.path = path.split("?", 1)[0]
+            return self._pick(call, msg, msg.request_body.body if is_generation(call.path) else None,
+                              on_headers=False)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
             if call.ticket is not None:
                 self._proxy.router.load.prefill_done(call.ticket)
@@ -129,7 +137,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         return _pass_through(kind)  # a mode we did not ask for: let it pass unchanged
 
     # -- the pick ----------------------------------------------------------------------------------
-    def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None) -> ext_pb.ProcessingResponse:
+    def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None, *,
+              on_headers: bool) -> ext_pb.ProcessingResponse:
         subset = protocol.subset_hint(msg.metadata_context)
         try:
             ids: Sequence[int] = ()
@@ -160,7 +169,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         call.picked_at = time.time()
         self._unsettled.append(call)
         endpoints = [decision.picked.address, *self._next_best(decision)]
-        return protocol.destination(endpoints, on_headers=body is None)
+        return protocol.destination(endpoints, on_headers=on_headers)
 
     def _settle_prefill(self) -> None:
         """Release the pending prefill of the oldest picks that their replica's heartbeat now covers

@@ -56,3 +56,13 @@ def test_header_map_with_names_decodes_only_those():
         core_pb.HeaderValue(key=":path", raw_value=b"/x"), core_pb.HeaderValue(key="Content-Type", value="a"),
         core_pb.HeaderValue(key="user-agent", raw_value=b"grpc")]))
     assert protocol.header_map(headers, frozenset({"content-type", "absent"})) == {"content-type": "a"}
+
+
+def test_path_and_content_type_come_from_the_request_attributes():
+    msg = ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=b"", end_of_stream=True))
+    assert protocol.path_and_content_type(msg) == ("", "")
+    fields = msg.attributes[protocol.ATTRIBUTES_NAMESPACE].fields
+    fields["request.path"].string_value = "/v1/completions"
+    assert protocol.path_and_content_type(msg) == ("/v1/completions", "")
+    fields["request.headers['content-type']"].string_value = "application/json"
+    assert protocol.path_and_content_type(msg) == ("/v1/completions", "application/json")
