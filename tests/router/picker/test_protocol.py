@@ -49,3 +49,20 @@ def test_header_map_reads_raw_values_and_values_by_lower_case_name():
     headers = ext_pb.HttpHeaders(headers=core_pb.HeaderMap(headers=[
         core_pb.HeaderValue(key=":path", raw_value=b"/x"), core_pb.HeaderValue(key="Content-Type", value="a")]))
     assert protocol.header_map(headers) == {":path": "/x", "content-type": "a"}
+
+
+def test_header_map_with_names_decodes_only_those():
+    headers = ext_pb.HttpHeaders(headers=core_pb.HeaderMap(headers=[
+        core_pb.HeaderValue(key=":path", raw_value=b"/x"), core_pb.HeaderValue(key="Content-Type", value="a"),
+        core_pb.HeaderValue(key="user-agent", raw_value=b"grpc")]))
+    assert protocol.header_map(headers, frozenset({"content-type", "absent"})) == {"content-type": "a"}
+
+
+def test_path_and_content_type_come_from_the_request_attributes():
+    msg = ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=b"", end_of_stream=True))
+    assert protocol.path_and_content_type(msg) == ("", "")
+    fields = msg.attributes[protocol.ATTRIBUTES_NAMESPACE].fields
+    fields["request.path"].string_value = "/v1/completions"
+    assert protocol.path_and_content_type(msg) == ("/v1/completions", "")
+    fields["request.headers['content-type']"].string_value = "application/json"
+    assert protocol.path_and_content_type(msg) == ("/v1/completions", "application/json")
