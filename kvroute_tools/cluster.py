@@ -45,13 +45,10 @@ from kvroute.process import dial_host
 from kvroute.redis_connect import connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.banner import EXAMPLE_PROMPT
+from kvroute_tools.cluster_ports import ClusterError, metrics_flags, plan_ports
 from kvroute_tools.envoy import EnvoyFront
 from kvroute_tools.redis_server import find_redis_server, free_port
-from kvroute_tools.supervise import POLL_S, SERVING, Child, health, port_free, stop_all
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not start (the message names the process, and its log's last lines)."""
+from kvroute_tools.supervise import POLL_S, SERVING, Child, health, stop_all
 
 
 @dataclass(frozen=True)
@@ -170,10 +167,12 @@ class LocalCluster:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.admin_token_file = self._write_admin_token()
-            router_port, replica_ports = self._ports()
-            replica_http_ports = self._replica_http_ports([router_port, *replica_ports])
-            http_port = self._http_port([router_port, *replica_ports, *replica_http_ports])
-            metrics_ports = self._metrics_ports([router_port, *replica_ports, *replica_http_ports, http_port])
+            ports = plan_ports(cfg)
+            router_port, replica_ports, replica_http_ports = ports.router, ports.replicas, ports.replica_http
+            http_port, metrics_ports = ports.router_http, ports.metrics
+            if http_port >= 0:
+                self.router_http_url = f"http://{cfg.dial_host}:{http_port}/v1"
+            self.metrics_urls = {name: f"http://{cfg.dial_host}:{p}/metrics" for name, p in metrics_ports.items()}
             if self.redis_url:
                 self._check_redis()
             else:
@@ -183,12 +182,12 @@ class LocalCluster:
             for i, port in enumerate(replica_ports):
                 rid = f"replica-{i}"
                 http = replica_http_ports[i] if replica_http_ports else -1
-                argv = self._replica_argv(rid, port, http) + self._metrics_flags(rid, metrics_ports)
+                argv = self._replica_argv(rid, port, http) + metrics_flags(rid, metrics_ports)
                 self.replicas.append(Child(rid, argv, self.log_dir / f"{rid}.log",
                                            target=f"{cfg.dial_host}:{port}").start())
                 if http >= 0:
                     self.replica_http_urls.append(f"http://{cfg.dial_host}:{http}")
-            argv = self._router_argv(router_port, http_port) + self._metrics_flags("router", metrics_ports)
+            argv = self._router_argv(router_port, http_port) + metrics_flags("router", metrics_ports)
             self.router = Child("router", argv, self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
@@ -215,76 +214,6 @@ class LocalCluster:
         with os.fdopen(fd, "w") as f:
             f.write(self.admin_token + "\n")
         return path
-
-    def _http_port(self, taken: Sequence[int]) -> int:
-        """The router's HTTP port (-1: off); sets ``router_http_url``.
-
-        Raises:
-            ClusterError: the configured port is taken.
-        """
-        cfg = self.config
-        port = cfg.router_http_port
-        if port < 0:
-            return port
-        if port and not port_free(cfg.host, port):
-            raise ClusterError(f"router_http_port: port {port} on {cfg.host} is taken")
-        while not port or port in taken:
-            port = free_port(cfg.dial_host)
-        self.router_http_url = f"http://{cfg.dial_host}:{port}/v1"
-        return port
-
-    def _metrics_ports(self, taken: Sequence[int]) -> dict[str, int]:
-        """With ``metrics``: a free port per process (router, replica-0, ...) apart from ``taken``;
-        sets ``metrics_urls``. Empty without."""
-        cfg = self.config
-        if not cfg.metrics:
-            return {}
-        ports: dict[str, int] = {}
-        for name in ("router", *(f"replica-{i}" for i in range(cfg.replicas))):
-            port = 0
-            while not port or port in taken or port in ports.values():
-                port = free_port(cfg.dial_host)
-            ports[name] = port
-            self.metrics_urls[name] = f"http://{cfg.dial_host}:{port}/metrics"
-        return ports
-
-    def _metrics_flags(self, name: str, ports: dict[str, int]) -> list[str]:
-        # The endpoint listens on --host (the processes' metrics_host follows their host).
-        return ["--metrics-port", str(ports[name])] if name in ports else []
-
-    def _replica_http_ports(self, taken: Sequence[int]) -> list[int]:
-        """The replicas' HTTP ports (empty: off).
-
-        Raises:
-            ClusterError: one is taken, or is one of the gRPC ports.
-        """
-        cfg = self.config
-        if not cfg.replica_http_base_port:
-            return []
-        ports = [cfg.replica_http_base_port + i for i in range(cfg.replicas)]
-        busy = [p for p in ports if p in taken or not port_free(cfg.host, p)]
-        if busy:
-            raise ClusterError(f"--replica-http-base-port: port(s) {', '.join(map(str, busy))} on {cfg.host} are taken")
-        return ports
-
-    def _ports(self) -> tuple[int, list[int]]:
-        cfg = self.config
-        router_port = cfg.router_port or free_port(cfg.dial_host)
-        if cfg.router_port and not port_free(cfg.host, router_port):
-            raise ClusterError(f"--router-port: port {router_port} on {cfg.host} is taken (another `kvroute up`?); "
-                               "pass another one, or 0 for a free one")
-        if cfg.base_port:
-            ports = [cfg.base_port + i for i in range(cfg.replicas)]
-            taken = [p for p in ports if not port_free(cfg.host, p)]
-            if taken:
-                raise ClusterError(f"--base-port: port(s) {', '.join(map(str, taken))} on {cfg.host} are taken")
-        else:
-            ports = []
-            while len(ports) < cfg.replicas:
-                p = free_port(cfg.dial_host)
-                if p != router_port and p not in ports:
-                    ports.append(p)
-        return router_port, ports
 
     def _start_redis(self) -> None:
         port = free_port()

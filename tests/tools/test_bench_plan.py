@@ -151,6 +151,7 @@ def test_up_fills_in_the_router_target_in_the_command():
 
 def test_up_gives_each_replica_its_http_port_and_metrics_and_refuses_a_taken_one():
     from kvroute_tools.cluster import ClusterError
+    from kvroute_tools.cluster_ports import plan_ports
     from kvroute_tools.redis_server import free_port
 
     base = free_port()
@@ -159,7 +160,8 @@ def test_up_gives_each_replica_its_http_port_and_metrics_and_refuses_a_taken_one
         argv = cluster._replica_argv("replica-1", 5001, base + 1)
         assert argv[argv.index("--http-port") + 1] == str(base + 1) and "--metrics-port" in argv
         assert "--http-port" not in cluster._replica_argv("replica-0", 5000)
-        with pytest.raises(ClusterError, match=rf"--replica-http-base-port: port\(s\) {base + 1} "):
-            cluster._replica_http_ports([5000, base + 1])  # the second one is a gRPC port
+        # the replicas' HTTP ports would overlap their gRPC ports (base, base + 1)
+        with pytest.raises(ClusterError, match=rf"--replica-http-base-port: port\(s\) {base}, {base + 1} "):
+            plan_ports(ClusterConfig(replicas=2, base_port=base, replica_http_base_port=base))
     finally:
         cluster.stop()
