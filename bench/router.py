@@ -54,8 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import http.client
-import json
 import os
 import random
 import statistics
@@ -74,6 +72,7 @@ import grpc  # noqa: E402
 
 from bench._common import busy_cores, print_table  # noqa: E402
 from bench._gateway import router_cpu_per_1000, start_gateways  # noqa: E402
+from bench._http_front import HttpStream  # noqa: E402
 from bench._passthrough import BARE_VARIANTS, passthrough  # noqa: E402
 from kvroute.events import BlockStored, encode_batch  # noqa: E402
 from kvroute.hashing import BlockHasher  # noqa: E402
@@ -211,35 +210,6 @@ def timed_stream(stub: gen_grpc.GenerationServiceStub, request: gen_pb.GenerateR
         if ttft is None:
             ttft = time.perf_counter() - t0
     return ttft or 0.0, time.perf_counter() - t0
-
-
-class HttpStream:
-    """Streamed ``/v1/completions`` calls over one kept-alive HTTP/1.1 connection, timed like
-    :func:`timed_stream` (the first ``data:`` event of a token, then ``data: [DONE]``)."""
-
-    def __init__(self, port: int, request: gen_pb.GenerateRequest):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        self.body = json.dumps({"model": "kvroute-tiny-llama", "prompt": list(request.token_ids.ids),
-                                "max_tokens": request.sampling.max_tokens, "temperature": 0.0,
-                                "ignore_eos": True, "stream": True})
-
-    def __call__(self) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        ttft = None
-        self.conn.request("POST", "/v1/completions", self.body, {"Content-Type": "application/json"})
-        resp = self.conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP front: {resp.status} {resp.read()[:200]!r}")
-        while line := resp.readline():
-            if line.startswith(b"data: [DONE]"):
-                break
-            if ttft is None and line.startswith(b"data: "):
-                ttft = time.perf_counter() - t0
-        resp.read()  # the rest of the chunked body, so that the connection is reused
-        return ttft or 0.0, time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def bench_proxy(n: int, tmp: Path, bare_variants: Sequence[str], gateways: bool

@@ -17,7 +17,7 @@ or ``kvroute_tools``.
       (gRPC)        (admission,     (ProcessLLMEngine)              (step loop)        (engine/: scheduler,
                      in-flight)                                          │ step hook     runner, model, kv/)
     wire.py: statuses, proto <-> engine types                            ▼ (engine/step_hook.py)
-    server.py: lifecycle, health, RemotePublisher                  publisher/ ──▶ Redis
+    server.py: lifecycle, health                                   publisher/ ──▶ Redis
 
 ``--engine-process false`` runs the step loop on a thread of the server instead (AsyncLLMEngine):
 simpler, but the engine then shares the GIL with gRPC (bench/replica.py measures the difference).

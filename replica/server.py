@@ -28,7 +28,6 @@ import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvroute.engine_info import EngineInfo
-from kvroute.events import KVCacheEvent
 from kvroute.grpc_errors import add_servicer
 from kvroute.hashing import BlockHasher
-from kvroute.heartbeat import EngineLoad
 from kvroute.openai_http import HttpServer
 from kvroute.process import WILDCARD_HOSTS, BackgroundServer, ServerMain, StopOnce, dial_target
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME, default_model_dir
@@ -52,15 +49,14 @@ from kvroute.v1 import generation_pb2, replica_pb2
 from replica.attention import torch_backend
 from replica.engine.async_engine import AsyncLLMEngine
 from replica.engine.core_client import ProcessLLMEngine
+from replica.engine.remote_publisher import RemotePublisher
 from replica.engine.step_hook import ProcessStepHook, StepReport
 from replica.frontend import EngineClient, ReplicaFrontend
 from replica.http_api import replica_http_app
 from replica.publisher import (
     EventPublisher,
     NullEventPublisher,
-    PublisherStats,
     ReplicaIdInUseError,
-    SnapshotFn,
     make_publisher,
 )
 from replica.servicers import GenerationServicer, ReplicaServicer
@@ -139,35 +135,6 @@ def _make_publisher(
         buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, max_waiting=s.max_waiting,
         auth=RedisAuth.from_settings(s),
     )
-
-
-class RemotePublisher(EventPublisher):
-    """The server process's view of the publisher in the engine process: its counters as of the
-    last step report (:meth:`update`, on the engine client's reader thread), ``request_snapshot``
-    forwarded to it. ``stats().last_seq`` may trail the real one by the steps still in the pipe,
-    which keeps RequestSnapshot's promise: the snapshot is valid at the returned seq or later."""
-
-    def __init__(self, engine: ProcessLLMEngine) -> None:
-        self._engine = engine
-        self._stats = PublisherStats()
-
-    def update(self, stats: PublisherStats) -> None:
-        self._stats = stats
-
-    def stats(self) -> PublisherStats:
-        return self._stats
-
-    def request_snapshot(self) -> None:
-        self._engine.run_in_hook(ProcessStepHook.request_snapshot)
-
-    def start(self) -> None:
-        """Nothing to do here: the engine process starts the publisher (``make_process_step_hook``)."""
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Nothing to do here: the engine process closes the publisher when it stops."""
-
-    def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
-        """Never called in this process: the engine's steps run in the engine process."""
 
 
 class ReplicaServer:

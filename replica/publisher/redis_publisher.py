@@ -60,7 +60,8 @@ class _Batch:
 
 
 class RedisEventPublisher(EventPublisher):
-    """Publishes one replica's KV event batches, snapshots and heartbeats to Redis.
+    """Publishes one replica's KV event batches, snapshots and heartbeats to Redis (its counters:
+    :meth:`stats`, from any thread).
 
     Owns the bounded buffer between the engine thread and the publisher thread and the seq
     counter of the epoch. Invariant: seqs are assigned only on the engine thread (``start`` assigns
@@ -83,8 +84,6 @@ class RedisEventPublisher(EventPublisher):
 
     Raises:
         ValueError: a non-positive interval / size.
-
-    Stats: :meth:`stats` (any thread).
     """
 
     def __init__(
