@@ -93,11 +93,17 @@ def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "", *
 
 
 def open_channel(target: str, credentials: grpc.ChannelCredentials | None, *, aio: bool = False,
-                 options: Any = None) -> Any:
-    """A (``grpc.aio`` when ``aio``) channel to ``target``: TLS with ``credentials``, else plaintext."""
+                 options: Any = None, server_name: str = "") -> Any:
+    """A (``grpc.aio`` when ``aio``) channel to ``target``: TLS with ``credentials``, else plaintext.
+
+    ``server_name``: over TLS, the name the server's certificate is checked against instead of the
+    ``target`` host (``grpc.ssl_target_name_override``; e.g. a Service name while dialing a
+    port-forward at 127.0.0.1); ignored on plaintext."""
     module = grpc.aio if aio else grpc
     if credentials is None:
         return module.insecure_channel(target, options=options)
+    if server_name:
+        options = [*(options or ()), ("grpc.ssl_target_name_override", server_name)]
     return module.secure_channel(target, credentials, options=options)
 
 

@@ -83,7 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_main(
         args.target, text, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         cache_salt=args.cache_salt, ignore_eos=args.ignore_eos, seed=args.seed, timeout=args.timeout,
-        credentials=args.credentials,
+        credentials=args.credentials, server_name=args.tls_server_name,
     )
 
 
@@ -103,8 +103,6 @@ def _check_health(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(e))
     if not args.timeout > 0:
         p.error(f"--timeout: must be > 0, got {args.timeout}")
-    if args.tls_server_name and not args.tls_ca_file:
-        p.error("--tls-server-name: needs --tls-ca-file")
     _check_tls(p, args)
 
 
@@ -163,13 +161,17 @@ def _add_tls_flags(p: argparse.ArgumentParser, server: str) -> None:
     p.add_argument("--tls-ca-file", default="", help=f"CA bundle (PEM) that verifies the {server}: set = TLS")
     p.add_argument("--tls-cert-file", default="", help=f"client certificate (PEM) for a {server} that requires mTLS")
     p.add_argument("--tls-key-file", default="", help="client private key (PEM) of --tls-cert-file")
+    p.add_argument("--tls-server-name", default="",
+                   help="the name the server's certificate is checked against (default: the --target host)")
 
 
 def _check_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``args.credentials`` from the TLS flags (kvroute.tls.channel_credentials); a half-set or
-    unreadable one is a usage error naming the flag."""
+    unreadable one, or ``--tls-server-name`` without ``--tls-ca-file``, is a usage error naming the flag."""
     from kvroute.tls import channel_credentials
 
+    if args.tls_server_name and not args.tls_ca_file:
+        p.error("--tls-server-name: needs --tls-ca-file")
     try:
         args.credentials = channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
     except ValueError as e:  # the message names the settings: say the flags
@@ -299,8 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check only this grpc.health.v1 service name (readiness, liveness) of a router or replica: "
                         "exit 0 when SERVING (the chart's probes over TLS)")
     _add_tls_flags(h, "router or replica")
-    h.add_argument("--tls-server-name", default="",
-                   help="the name the server's certificate is checked against (default: the --target host)")
     h.set_defaults(func=_health, check=_check_health)
 
     b = sub.add_parser(

@@ -97,10 +97,11 @@ def build_request(
 
 def stream_generate(
     target: str, request: gen_pb.GenerateRequest, *, timeout: float | None = None, out: TextIO | None = None,
-    credentials: grpc.ChannelCredentials | None = None,
+    credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
 ) -> StreamResult:
     """Stream ``request`` from the router at ``target``, writing each delta's text to ``out``;
-    over TLS with ``credentials`` (kvroute.tls.channel_credentials), else plaintext.
+    over TLS with ``credentials`` (kvroute.tls.channel_credentials), else plaintext; ``server_name``:
+    the name the router's certificate is checked against (default: the ``target`` host).
 
     Raises:
         grpc.RpcError: the call failed (see :func:`describe_rpc_error`).
@@ -109,7 +110,7 @@ def stream_generate(
     ttft = None
     final = None
     parts: list[str] = []
-    with open_channel(target, credentials) as channel:
+    with open_channel(target, credentials, server_name=server_name) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
         call = stub.GenerateStream(request, timeout=timeout)
         for resp in call:
@@ -144,9 +145,11 @@ def summary_line(result: StreamResult) -> str:
         + (f" (token {f.stop_token_id})" if f.WhichOneof("matched_stop") == "stop_token_id" else ""),
         f"tokens: prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {u.cached_tokens}",
     ]
-    if f.HasField("routing"):
-        parts.append(f"{r.replica_id or '?'} ({r.replica_address or '?'}), predicted cached "
-                     f"{r.predicted_cached_tokens}, policy {r.policy or '?'}")
+    if f.HasField("routing"):  # behind a gateway only the pick and its prediction come (the trailers)
+        where = f"{r.replica_id or 'a replica'} ({r.replica_address})" if r.replica_address else \
+            f"{r.replica_id or 'a replica'} (via a gateway)"
+        parts.append(f"{where}, predicted cached {r.predicted_cached_tokens}"
+                     + (f", policy {r.policy}" if r.policy else ""))
     parts.append(timing)
     return "[" + " | ".join(parts) + "]"
 
@@ -159,16 +162,19 @@ def generate_main(
     target: str, text: str, *, chat: bool = False, max_tokens: int | None = None, temperature: float | None = None,
     cache_salt: str = "", ignore_eos: bool = False, seed: int | None = None, timeout: float | None = None,
     out: TextIO | None = None, err: TextIO | None = None, credentials: grpc.ChannelCredentials | None = None,
+    server_name: str = "",
 ) -> int:
     """``kvroute generate``: 0 on a finished stream, 1 on an RPC failure (one line on ``err``), 130
     on Ctrl-C (nothing more is printed: the text streamed so far is all the user gets);
-    ``credentials``: TLS to the router (``--tls-ca-file`` ...)."""
+    ``credentials``: TLS to the router (``--tls-ca-file`` ...), its certificate checked against
+    ``server_name`` (``--tls-server-name``; default: the ``target`` host)."""
     out = out or sys.stdout
     err = err or sys.stderr
     request = build_request(text, chat=chat, max_tokens=max_tokens, temperature=temperature,
                             cache_salt=cache_salt, ignore_eos=ignore_eos, seed=seed)
     try:
-        result = stream_generate(target, request, timeout=timeout, out=out, credentials=credentials)
+        result = stream_generate(target, request, timeout=timeout, out=out, credentials=credentials,
+                                 server_name=server_name)
     except grpc.RpcError as e:
         out.flush()
         err.write(("\n" if out is err else "") + f"kvroute generate: {describe_rpc_error(e, target)}\n")

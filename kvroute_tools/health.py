@@ -43,8 +43,7 @@ class HealthReport:
 
 
 def _channel(target: str, credentials: grpc.ChannelCredentials | None, server_name: str) -> grpc.Channel:
-    options = [("grpc.ssl_target_name_override", server_name)] if credentials is not None and server_name else None
-    return open_channel(target, credentials, options=options)
+    return open_channel(target, credentials, server_name=server_name)
 
 
 def check_service(target: str, service: str, timeout: float = 5.0, *,

@@ -275,11 +275,35 @@ def test_the_dashboard_configmap_carries_the_dashboard_file_for_the_grafana_side
     assert json.loads(cm["data"]["kvroute.json"]) == json.loads((CHART_DIR / "dashboards" / "kvroute.json").read_text())
 
 
-def test_notes_tell_how_to_reach_and_try_the_router():
-    text = notes({})
-    assert f"kubectl -n {NAMESPACE} port-forward svc/{ROUTER} 50050:50050" in text
-    assert "kvroute generate --target 127.0.0.1:50050" in text
-    assert "grpcurl -plaintext" in text and "kvroute.v1.GenerationService/GenerateStream" in text
+ENVOY = f"{FULLNAME}-envoy"
+TLS_KV = f"--tls-ca-file ca.crt --tls-server-name {ROUTER}"
+MTLS_KV = f"--tls-ca-file ca.crt --tls-cert-file tls.crt --tls-key-file tls.key --tls-server-name {ROUTER}"
+NOTES_CASES = {  # values -> (port-forward, the front's port, kvroute generate's TLS flags, grpcurl's transport)
+    "proxy": ({}, f"svc/{ROUTER} 50050:50050 8000:8000", 50050, "", "-plaintext"),
+    "envoy": (MATRIX["gateway-envoy"], f"svc/{ENVOY} 8080:8080", 8080, "", "-plaintext"),
+    "tls": (MATRIX["tls"], f"svc/{ROUTER} 50050:50050 8000:8000", 50050, " " + TLS_KV,
+            f"-cacert ca.crt -servername {ROUTER}"),
+    "tls-mutual": (MATRIX["tls-mutual"], f"svc/{ROUTER} 50050:50050 8000:8000", 50050, " " + MTLS_KV,
+                   f"-cacert ca.crt -cert tls.crt -key tls.key -servername {ROUTER}"),
+}
+
+
+@pytest.mark.parametrize("mode", NOTES_CASES)
+def test_notes_tell_how_to_reach_and_try_the_front_of_each_mode(mode):
+    values, forward, port, kv_tls, grpcurl = NOTES_CASES[mode]
+    lines = notes(values).splitlines()
+    assert f"  kubectl -n {NAMESPACE} port-forward {forward}" in lines
+    assert f'  kvroute generate --target 127.0.0.1:{port}{kv_tls} "The capital of France is"' in lines
+    assert f"  grpcurl {grpcurl} -d '{{\"service\": \"readiness\"}}' 127.0.0.1:{port} grpc.health.v1.Health/Check" in lines
+    stream = [line for line in lines if "GenerationService/GenerateStream" in line]
+    assert len(stream) == 1 and stream[0].startswith(f"  grpcurl {grpcurl} -d ")
+    assert stream[0].endswith(f" 127.0.0.1:{port} kvroute.v1.GenerationService/GenerateStream")
+    assert "  curl http://127.0.0.1:8000/v1/models" in lines
+    fetch = [line for line in lines if "get secret kvr-tls" in line]
+    assert len(fetch) == {"tls": 1, "tls-mutual": 3}.get(mode, 0)  # ca.crt (and tls.crt, tls.key) to files
+    if mode == "envoy":  # the router's HTTP API still needs its own port-forward
+        assert f"  kubectl -n {NAMESPACE} port-forward svc/{ROUTER} 8000:8000" in lines
+    assert ("50050" in "".join(lines)) == (mode != "envoy")
 
 
 @pytest.mark.parametrize("mode", ["proxy", "envoy", "inferencePool"])

@@ -116,3 +116,37 @@ def test_a_server_name_without_a_ca_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["health", "--service", "readiness", "--tls-server-name", ROUTER])
     assert exit_.value.code == 2 and "--tls-server-name: needs --tls-ca-file" in capsys.readouterr().err
+
+
+def _notes_generate(values: dict) -> list[str]:
+    """The ``kvroute generate`` command the NOTES print, split as a shell would."""
+    import shlex
+
+    from tests.deploy.chart import notes
+
+    line = next(line for line in notes(values).splitlines() if line.startswith("  kvroute generate "))
+    return shlex.split(line)
+
+
+def test_the_notes_generate_command_speaks_mutual_tls_to_the_router_by_its_service_name(router, pki):
+    command = _notes_generate(MUTUAL)
+    assert command[command.index("--tls-server-name") + 1] == ROUTER
+    # The files the NOTES have the user take from the Secret, in the current folder.
+    argv = [str(pki["secret"] / a) if a in ("ca.crt", "tls.crt", "tls.key") else a for a in command]
+    argv[argv.index("--target") + 1] = router.target
+    done = _run(argv + ["--max-tokens", "1"], pki["secret"], router.target)
+    # Through TLS to the router's answer: it has no replica to send the request to.
+    assert done.returncode == 1
+    assert f"UNAVAILABLE: the router at {router.target} has no replica to send the request to" in done.stderr
+    at = argv.index("--tls-server-name")
+    wrong_name = _run(argv[:at] + argv[at + 2:] + ["--max-tokens", "1"], pki["secret"], router.target)
+    assert wrong_name.returncode == 1  # 127.0.0.1 is not in the certificate: no handshake
+    assert f"UNAVAILABLE: cannot reach a router at {router.target}" in wrong_name.stderr
+
+
+def test_a_server_name_without_a_ca_is_a_usage_error_of_generate_too(capsys):
+    from kvroute_tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--tls-server-name", ROUTER, "hello"])
+    assert exit_.value.code == 2 and "--tls-server-name: needs --tls-ca-file" in capsys.readouterr().err

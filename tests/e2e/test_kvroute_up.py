@@ -224,6 +224,8 @@ def test_up_with_envoy_in_front_generates_through_the_picker(tmp_path, default_m
     assert envoy, proc.stdout
     assert f"--target {envoy.group(1)}" in proc.stdout  # {target} is Envoy's listener
     summary = proc.stderr  # kvroute generate's summary line
-    assert "completion 4" in summary and "replica-0 (?)" in summary, summary  # the pick, from the trailers
+    # The pick, from the trailers; the policy and the address do not come through a gateway.
+    assert "completion 4" in summary and "replica-0 (via a gateway), predicted cached" in summary, summary
+    assert "?" not in summary and "policy" not in summary, summary
     assert (tmp_path / "envoy.json").is_file() and envoy.group(3) == str(tmp_path / "envoy.log")
     assert "kvroute up: stopped 4 processes" in proc.stdout
