@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-length", default="input_length", choices=("input_length", "hash_ids"),
                    help="each prompt is the trace's input_length scaled by --tokens-per-block / 512 (default), "
                         "or len(hash_ids) x --tokens-per-block: every hash id a whole block, as "
-                        "../shared/peers/mooncake_prompts.py builds them")
+                        "the harness the peer routers were measured with builds them")
     b.add_argument("--output-scale", type=float, default=0.02,
                    help="output tokens = max(1, round(output_length * S)) (default 0.02)")
     b.add_argument("--max-output-tokens", type=int, default=256, help="cap on output tokens (default 256)")

@@ -54,8 +54,8 @@ def hit_bounds(trace: Sequence[TraceRequest], replicas: int, *, tokens_per_block
     and input lengths (:func:`kvroute_tools.trace.hit_rate_bounds`). With ``whole_blocks``, under
     the engine's lookup rule over the prompts sent, ``len(hash_ids) * tokens_per_block`` tokens in
     KV blocks of ``block_size``: whole blocks only, the last prompt token recomputed
-    (:func:`kvroute_tools.simulate.oracles.oracle_rates`; ../shared/peers/hit_bounds.py counts the
-    same way), which is what one replica with an unlimited cache measures. When ``block_size``
+    (:func:`kvroute_tools.simulate.oracles.oracle_rates`; the peer routers' measurement harness
+    counts the same way), which is what one replica with an unlimited cache measures. When ``block_size``
     does not divide ``tokens_per_block`` the trace's own bounds are returned.
     """
     if not whole_blocks or tokens_per_block % block_size:
