@@ -6,6 +6,7 @@ The default policy, ``kvroute``, estimates each replica's time to first token fo
             + running(r) * decode_seconds_per_running(r)                                  # TTFT: decode load
             + (prefill_work_weight + backlog_work_weight * waiting(r))
               * uncached_tokens(r) / prefill_tokens_per_s(r)                              # work added to the cluster
+            + kv_footprint_weight * kv_usage(r) * prompt_tokens / prefill_tokens_per_s(r) # KV pressure
             + kv_usage(r) * kv_usage_weight + in_flight(r) * in_flight_weight             # optional terms
 
     uncached_tokens(r) = prompt_tokens - block_size * (gpu_blocks(r) + cpu_match_weight * cpu_blocks(r))
@@ -26,7 +27,7 @@ and ``DEFAULT_DECODE_SECONDS_PER_RUNNING``.
 Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
 being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
 (528 tokens), so TTFT alone sends it to R2, and a burst ends up computing its prefix once per
-replica. Charging the prefill a request adds to the cluster (weight 5 by default) keeps the burst
+replica. Charging the prefill a request adds to the cluster (weight 10 by default) keeps the burst
 on the replica that already holds or is computing the prefix, until its queue outgrows the work
 saved, which is also when the cached replica really is the slower choice.
 
@@ -37,6 +38,18 @@ number is about the replica's waiting queue. So each uncached token weighs
 before, while on an overloaded one, where every replica's queue is long, a difference between
 the queues no longer outweighs the prefix a replica holds (trading the prefix for a shorter queue
 there just adds work that everyone behind waits for).
+Why the KV footprint term: a request holds its prompt's blocks (cached ones included) on the
+replica while it runs, and ``kv_usage`` (the share of the replica's blocks running requests hold,
+vLLM's ``kv_cache_usage_perc``) is about how likely each of those blocks is to push a cached
+block of another request out (or, at full usage, a running request into preemption). So the term
+charges the prompt's whole footprint, at the pool's prefill rate, in proportion to the usage:
+what the eviction would cost to recompute. Without it, at 64 simulated replicas with small caches,
+conversations returning to the replica that holds them piled up there (its usage at 100%,
+hundreds of preemptions, the cluster's hit rate falling to 85% of the pooled oracle's). Unlike a
+fixed number of seconds per unit of usage (``kv_usage_weight``, off by default), it scales with the
+prompt: a short prompt is not moved off the replica holding its prefix because that replica was
+busy at its last heartbeat.
+
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
 a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
 the baselines the bench compares against.
@@ -64,13 +77,14 @@ class ScoringWeights:
 
     prefill_tokens_per_s: float | None = None  # a replica's prefill throughput, tokens/s: overrides the measured
     decode_seconds_per_running: float | None = None  # TTFT added per running sequence (decode interference), s
-    # 5: chosen on `kvroute simulate` (8-64 modelled H100 replicas) and on `make run` (4 CPU replicas
-    # on 2 cores), one default for both (README, "Simulating a cluster").
-    prefill_work_weight: float = 5.0  # weight of the prefill work this request adds to the cluster
+    # 10 and 2: chosen on `kvroute simulate` (8-64 modelled H100 replicas), checked on `make run`
+    # (4 CPU replicas on 2 cores) and the peers' workload, one default for all (README, "Simulating a cluster").
+    prefill_work_weight: float = 10.0  # weight of the prefill work this request adds to the cluster
     backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
-    # Off by default: the usage it reads is the last heartbeat's, so for a short prompt a replica that
-    # was busy a moment ago loses its prefix to an idle one (README, "Simulating a cluster").
+    kv_footprint_weight: float = 2.0  # weight of the prompt's prefill seconds, charged x the KV usage
+    # Off by default: a fixed cost per unit of the last heartbeat's usage moves a short prompt off
+    # the replica holding its prefix when that replica was busy a moment ago (the footprint term does not).
     kv_usage_weight: float = 0.0  # seconds added at 100% KV usage
     in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
 
@@ -81,6 +95,8 @@ class ScoringWeights:
             raise ValueError(f"decode_seconds_per_running: must be >= 0, got {self.decode_seconds_per_running}")
         if not self.backlog_work_weight >= 0:
             raise ValueError(f"backlog_work_weight: must be >= 0, got {self.backlog_work_weight}")
+        if not self.kv_footprint_weight >= 0:
+            raise ValueError(f"kv_footprint_weight: must be >= 0, got {self.kv_footprint_weight}")
         if not 0.0 <= self.cpu_match_weight <= 1.0:
             raise ValueError(f"cpu_match_weight: must be in [0, 1], got {self.cpu_match_weight}")
 
@@ -164,6 +180,12 @@ def decode_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     return c.running * decode_step_seconds(c, w)
 
 
+def kv_footprint_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
+    """The prefill seconds of the prompt's whole footprint, weighted, times the replica's KV usage:
+    the expected cost of the cached blocks its blocks push out (module docstring)."""
+    return w.kv_footprint_weight * c.kv_usage * req.prompt_tokens / prefill_rate(c, w)
+
+
 def kv_usage_scorer(c: Candidate, req: RequestShape, w: ScoringWeights) -> float:
     return c.kv_usage * w.kv_usage_weight
 
@@ -176,6 +198,7 @@ DEFAULT_SCORERS: dict[str, Scorer] = {
     "prefix_queue": prefix_queue_scorer,
     "decode": decode_scorer,
     "prefill_work": prefill_work_scorer,
+    "kv_footprint": kv_footprint_scorer,
     "kv_usage": kv_usage_scorer,
     "in_flight": in_flight_scorer,
 }
@@ -231,7 +254,7 @@ class KVRoutePolicy(Policy):
             return [sum(fn(c, req, w) for fn in fns) for c in cands]
         prompt, block = req.prompt_tokens, req.block_size
         cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
-        kv_w, flight_w = w.kv_usage_weight, w.in_flight_weight
+        footprint_w, kv_w, flight_w = w.kv_footprint_weight, w.kv_usage_weight, w.in_flight_weight
         out = []
         for c in cands:
             u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
@@ -239,6 +262,7 @@ class KVRoutePolicy(Policy):
             out.append(
                 0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s
                 + (work_w + backlog_w * c.waiting) * u / rate
+                + footprint_w * c.kv_usage * prompt / rate
                 + c.kv_usage * kv_w + c.in_flight * flight_w
             )
         return out

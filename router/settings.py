@@ -55,6 +55,9 @@ class RouterSettings:
         ScoringWeights.backlog_work_weight, "more weight on the prefill work per request waiting on the replica"
     )
     cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
+    kv_footprint_weight: float = setting(
+        ScoringWeights.kv_footprint_weight, "weight of the prompt's prefill seconds, charged times the replica's KV usage"
+    )
     kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
     in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
     speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
@@ -84,6 +87,7 @@ class RouterSettings:
             prefill_work_weight=self.prefill_work_weight,
             backlog_work_weight=self.backlog_work_weight,
             cpu_match_weight=self.cpu_match_weight,
+            kv_footprint_weight=self.kv_footprint_weight,
             kv_usage_weight=self.kv_usage_weight,
             in_flight_weight=self.in_flight_weight,
         )

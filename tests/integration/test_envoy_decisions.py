@@ -54,7 +54,7 @@ def router(redis_server, default_model_dir, stubs):
     settings = RouterSettings(
         host="127.0.0.1", port=0, redis_url=redis_server.url, model=str(default_model_dir), seed=7,
         heartbeat_poll_interval=0.05, prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.002,
-        prefill_work_weight=1.0, kv_usage_weight=0.0, speculative_ttl=0.0,
+        prefill_work_weight=1.0, kv_footprint_weight=0.0, kv_usage_weight=0.0, speculative_ttl=0.0,
     )
     with BackgroundRouter(settings) as r:
         wait_for(lambda: {i.replica_id for i in r.server.registry.routable()} == set(stubs), what="stubs routable")

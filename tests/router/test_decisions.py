@@ -23,7 +23,7 @@ from router.scoring import KVRoutePolicy, ScoringWeights
 
 B = 16
 WEIGHTS = ScoringWeights(prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.002, prefill_work_weight=1.0,
-                         kv_usage_weight=0.0)  # the weights the cases below were worked by hand with
+                         kv_footprint_weight=0.0, kv_usage_weight=0.0)  # the weights the cases below were worked by hand with
 
 
 def make_router(replicas, seed=0, weights=WEIGHTS, hasher=None):
@@ -202,7 +202,8 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
 
     rng = random.Random(7)
     weights = ScoringWeights(prefill_tokens_per_s=1234.5, decode_seconds_per_running=0.0031, prefill_work_weight=2.5,
-                             cpu_match_weight=0.3, kv_usage_weight=0.07, in_flight_weight=0.011)
+                             cpu_match_weight=0.3, kv_footprint_weight=1.7, kv_usage_weight=0.07,
+                             in_flight_weight=0.011)
     cands = [
         Candidate(f"r{i}", Match(gpu=rng.randrange(40), cpu=rng.randrange(10)), queued_prefill_tokens=rng.randrange(5000),
                   running=rng.randrange(50), in_flight=rng.randrange(9), kv_usage=rng.random(),
@@ -210,7 +211,8 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
                   decode_seconds_per_running=rng.choice([0.0, rng.uniform(1e-4, 0.05)]), waiting=rng.randrange(20))
         for i in range(200)
     ]
-    measured = ScoringWeights(prefill_work_weight=2.5, cpu_match_weight=0.3, kv_usage_weight=0.07)
+    measured = ScoringWeights(prefill_work_weight=2.5, cpu_match_weight=0.3, kv_footprint_weight=0.4,
+                              kv_usage_weight=0.07)
     for req, w in itertools.product((RequestShape(512, 16), RequestShape(1, 16), RequestShape(100, 4)),
                                     (weights, measured)):
         fast = KVRoutePolicy(w)
@@ -221,7 +223,7 @@ def test_the_decision_path_costs_equal_the_scorers_sum_bit_for_bit():
         assert slow.costs(cands, req) == expected
 
 
-MEASURED = ScoringWeights(prefill_work_weight=1.0)  # rates from the replicas' heartbeats
+MEASURED = ScoringWeights(prefill_work_weight=1.0, kv_footprint_weight=0.0)  # rates from the replicas' heartbeats
 
 
 def test_every_replica_is_costed_at_the_pools_median_measured_rates():
@@ -279,3 +281,27 @@ def test_on_backlogged_replicas_the_prefix_outweighs_the_shorter_queue(waiting, 
     assert d.score_of("R1").cost == pytest.approx((5032 + (1 + waiting) * 32) / 1000)
     assert d.score_of("R2").cost == pytest.approx((3320 + (1 + waiting) * 320) / 1000)
     assert d.picked.replica_id == picked
+
+
+@pytest.mark.parametrize(("r1_usage", "picked"), [(0.5, "R1"), (0.9, "R2")])
+def test_the_kv_footprint_term_moves_a_long_prompt_off_a_full_replica_but_not_a_short_one(r1_usage, picked):
+    """R1 holds 16 of the 20 blocks of a 320-token prompt (R2 none), and its KV usage is
+    ``r1_usage``; R2 is empty. Weights: work 1, footprint 2, 1,000 tokens/s. R1: (64 + 64) ms of
+    prefill and work + 2 x usage x 320 ms of footprint; R2: (320 + 320) ms."""
+    hasher = BlockHasher(block_size=B)
+    weights = ScoringWeights(prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.0, prefill_work_weight=1.0,
+                             kv_footprint_weight=2.0)
+    router = make_router(["R1", "R2"], weights=weights, hasher=hasher)
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, usage=r1_usage), now=0.0)
+    long_prompt = prompt(3, 320)
+    router.index.add("R1", router.hasher.event_ints(long_prompt[:256]))
+    d = router.decide(long_prompt)
+    assert d.score_of("R1").cost == pytest.approx(0.128 + 2 * r1_usage * 0.320)  # 0.448 or 0.704
+    assert d.score_of("R2").cost == pytest.approx(0.640)
+    assert d.picked.replica_id == picked
+    # A 33-token prompt whose two blocks R1 holds stays there at either usage: 1 + 1 ms of prefill
+    # and work + 2 x usage x 33 ms of footprint (35 or 61.4 ms) against 2 x 33 = 66 ms on R2.
+    d = router.decide(long_prompt[:33])
+    assert d.score_of("R1").cost == pytest.approx((2 + 2 * r1_usage * 33) / 1000)
+    assert d.score_of("R2").cost == pytest.approx(0.066)
+    assert d.picked.replica_id == "R1"
