@@ -2,8 +2,8 @@
 
 Fixed once the engine is built. The engine process reports it to the server process, the server
 answers ``GetModelInfo`` with it and validates requests against it, and its heartbeat part
-(model, block_size, hash triple, num_blocks, attention backend) goes into every
-:class:`kvroute.heartbeat.Heartbeat`.
+(model, block_size, hash triple, num_blocks, vocab_size, max_model_len, attention backend) goes
+into every :class:`kvroute.heartbeat.Heartbeat`.
 """
 
 from __future__ import annotations

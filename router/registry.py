@@ -2,7 +2,7 @@
 
     consumer ── update_from_heartbeat(Heartbeat, now) / expire(id) ──▶ ┌──────────────────────────┐
     discovery ── set_discovered({"host:port", ...}) ────────────────▶ │ replica_id -> ReplicaInfo │
-    core      ◀── routable() / get() / all() ──────────────────────── └──────────────────────────┘
+    core      ◀── routable() / get() / all() / limits() ────────────── └──────────────────────────┘
                                      on_removed(replica_id) ──▶ consumer (drops index entries)
 
 Contract:
@@ -19,6 +19,9 @@ Contract:
 - ``on_removed(replica_id)`` listeners run whenever a replica stops being routable or is expired,
   so the index never keeps entries of a replica that gets no traffic. They run on the thread that
   caused the change, outside the registry's lock.
+- ``limits()``: the model limits the routable replicas' heartbeats report
+  (:class:`router.model_limits.ReportedLimits`), rebuilt with the routable set, so that validating a
+  request reads one object instead of scanning the replicas.
 - Thread-safe. ``ReplicaInfo`` values are never mutated once published (an update replaces the
   object), so a reader on another thread always sees one consistent heartbeat.
 """
@@ -32,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvroute.heartbeat import Heartbeat
+from router.model_limits import ReportedLimits
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,8 @@ DISCOVERY_MODES = ("static", "redis", "kubernetes")
 class ReplicaInfo:
     """One replica as of its last :class:`kvroute.heartbeat.Heartbeat` (its fields, the load flattened)
     and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds when it read
-    the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds)."""
+    the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds);
+    ``vocab_size`` / ``max_model_len``: the engine's limits, 0 when the heartbeat does not say."""
 
     replica_id: str
     address: str = ""
@@ -53,6 +58,8 @@ class ReplicaInfo:
     hash_seed_digest: str = ""
     block_size: int = 0
     num_blocks: int = 0
+    vocab_size: int = 0  # 0: not said (a replica older than the field)
+    max_model_len: int = 0
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
@@ -97,6 +104,7 @@ class ReplicaRegistry:
         self._incompatible: dict[str, str] = {}  # replica_id -> why its hash triple is refused
         self._logged: dict[str, str] = {}  # replica_id -> the incompatibility last logged at ERROR
         self._routable: tuple[ReplicaInfo, ...] = ()
+        self._limits = ReportedLimits()
         self.address_changes = 0  # heartbeats whose address differs from the id's previous one (a metric)
 
     # -- listeners -------------------------------------------------------------------------------
@@ -135,7 +143,8 @@ class ReplicaRegistry:
             replica_id=replica_id, address=heartbeat.address, epoch=heartbeat.epoch, last_seq=heartbeat.last_seq,
             model=heartbeat.model, hash_algorithm=heartbeat.hash_algorithm,
             hash_seed_digest=heartbeat.hash_seed_digest, block_size=heartbeat.block_size,
-            num_blocks=heartbeat.num_blocks, free_blocks=load.free_blocks, running=load.running,
+            num_blocks=heartbeat.num_blocks, vocab_size=heartbeat.vocab_size, max_model_len=heartbeat.max_model_len,
+            free_blocks=load.free_blocks, running=load.running,
             waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
             queued_prefill_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s, decode_seconds_per_running=load.decode_seconds_per_running,
@@ -233,11 +242,16 @@ class ReplicaRegistry:
 
     def _rebuild_routable(self) -> None:
         self._routable = tuple(i for i in self._replicas.values() if i.routable)
+        self._limits = ReportedLimits.of((i.vocab_size, i.max_model_len) for i in self._routable)
 
     # -- reads --------------------------------------------------------------------------------------
     def routable(self) -> list[ReplicaInfo]:
         """The replicas that may get traffic now."""
         return list(self._routable)
+
+    def limits(self) -> ReportedLimits:
+        """The model limits the routable replicas report (router.model_limits has the rule)."""
+        return self._limits
 
     def get(self, replica_id: str) -> ReplicaInfo | None:
         return self._replicas.get(replica_id)

@@ -131,11 +131,15 @@ def test_bad_request_is_invalid_argument_naming_the_field_and_picks_nothing(via_
     for request, field in [(gen_pb.GenerateRequest(), "prompt"), (ids_request([1, 100000, 2]), "prompt.token_ids"),
                            (gen_pb.GenerateRequest(text=""), "prompt"),
                            (ids_request([1, 2, 3], gen_pb.SamplingParams(max_tokens=0)), "max_tokens"),
-                           (ids_request([1] * 9000), "prompt")]:  # longer than the model holds
+                           (ids_request([1] * 9000), "prompt"),  # longer than the model holds
+                           # Under the model folder's 8192, but no replica holds it: their heartbeats
+                           # say 2032 (128 blocks of 16, the null block excluded).
+                           (ids_request([1] * 2032), "prompt")]:
         with pytest.raises(grpc.RpcError) as err:
             list(via_envoy.GenerateStream(request, timeout=T))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith(f"{field}: "), err.value.details()
+    assert "the model holds at most 2032 tokens" in err.value.details()
     assert envoy.stats("cluster.kvroute_replicas.upstream_rq_total")["cluster.kvroute_replicas.upstream_rq_total"] == before
     assert released(router)
 

@@ -209,9 +209,11 @@ def test_stop_seed_and_cache_salt_reach_the_engine(client, side):
         assert out.usage.prompt_tokens_details.cached_tokens == cached, salt
 
 
-def test_models_and_health(client, servers, side):
+def test_models_and_health(client, servers, side, model_info):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.owned_by == "kvroute"
+    # The replica's own limit; on the router, the one its heartbeat says (128 blocks: 2032 tokens).
+    assert card.to_dict()["max_model_len"] == model_info.max_model_len == 127 * B
     resp = health(servers[side])
     assert resp.status_code == 200 and resp.json() == {"status": "ok"}
 

@@ -46,7 +46,7 @@ def _stream_events(r: redis.Redis, layout: RedisLayout) -> list:
 
 
 def test_heartbeat_carries_the_engine_identity_and_address(cluster):
-    replica, _stub, r = cluster
+    replica, stub, r = cluster
     key = RedisLayout("svc").heartbeat_key("pub-replica")
     beat = Heartbeat.from_redis(wait_for(lambda: r.hgetall(key)))
     eng = replica.server.engine.engine
@@ -54,6 +54,9 @@ def test_heartbeat_carries_the_engine_identity_and_address(cluster):
     assert beat.hash_identity == eng.hasher.identity
     assert beat.num_blocks == eng.num_blocks == 64
     assert beat.model == "kvroute-tiny-llama"
+    info = stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=30)
+    assert (beat.vocab_size, beat.max_model_len) == (info.vocab_size, info.max_model_len)  # the model limits
+    assert beat.max_model_len == 64 * BLOCK - BLOCK  # the model's 8192, capped by the 64-block KV cache
     assert beat.invalid == ()
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvroute.hashing import BlockHasher
 from kvroute.heartbeat import Heartbeat
+from router.model_limits import ReportedLimits
 from router.registry import ReplicaRegistry
 
 ROUTER = BlockHasher().identity  # ("sha256_cbor", "9bd96a485ad84efd", 16)
@@ -33,6 +34,35 @@ def test_a_heartbeat_is_parsed_and_a_compatible_replica_is_routable():
     assert (info.heartbeat_at, info.model, info.address) == (12.5, "tiny", "10.0.0.1:50051")
     assert info.discovered and info.hash_compatible and info.routable and info.reason == ""
     assert registry.routable() == [info] and registry.get("replica-0") is info and registry.all() == [info]
+
+
+def test_a_heartbeat_without_the_model_limits_parses_and_leaves_them_unknown():
+    # An older replica writes neither vocab_size nor max_model_len (``heartbeat()`` leaves them out).
+    beat = heartbeat()
+    assert (beat.vocab_size, beat.max_model_len, beat.invalid) == (0, 0, ())
+    registry = ReplicaRegistry(ROUTER, "redis")
+    info = registry.update_from_heartbeat(beat, now=0.0)
+    assert info.routable and (info.vocab_size, info.max_model_len) == (0, 0)
+    assert registry.limits() == ReportedLimits(0, 0, vocab_size_unsaid=True, max_model_len_unsaid=True)
+
+
+def test_the_registry_reports_the_limits_of_the_routable_replicas_only():
+    registry = ReplicaRegistry(ROUTER, "redis")
+    assert registry.limits() == ReportedLimits()  # nobody routable
+    a = registry.update_from_heartbeat(heartbeat("replica-a", vocab_size="529", max_model_len="256"), now=0.0)
+    assert (a.vocab_size, a.max_model_len) == (529, 256)
+    registry.update_from_heartbeat(heartbeat("replica-b", vocab_size="529", max_model_len="4096", block_size="32"),
+                                   now=0.0)  # not routable: its 4096 does not count
+    assert registry.limits() == ReportedLimits(529, 256, vocab_size_unsaid=False, max_model_len_unsaid=False)
+    registry.update_from_heartbeat(heartbeat("replica-b", vocab_size="529", max_model_len="4096"), now=1.0)
+    assert registry.limits() == ReportedLimits(529, 4096, vocab_size_unsaid=False, max_model_len_unsaid=False)
+    registry.expire("replica-b")
+    assert registry.limits() == ReportedLimits(529, 256, vocab_size_unsaid=False, max_model_len_unsaid=False)
+
+
+def test_a_model_limit_that_does_not_parse_makes_the_replica_unroutable():
+    info = ReplicaRegistry(ROUTER, "redis").update_from_heartbeat(heartbeat(max_model_len="lots"), now=0.0)
+    assert not info.routable and info.reason == "bad heartbeat fields: max_model_len='lots'"
 
 
 def test_the_router_identity_is_the_design_default():

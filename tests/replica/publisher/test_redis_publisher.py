@@ -111,6 +111,7 @@ def test_heartbeat_has_every_field_and_a_ttl_and_expires_after_close(server, lay
             "kvroute-tiny-llama", "16", "40", "0.375"
         )
         assert (hb["attn_backend"], hb["attn_backend_reason"]) == (INFO.attn_backend, INFO.attn_backend_reason)
+        assert (hb["vocab_size"], hb["max_model_len"]) == ("529", "2048")  # the model limits, for the router
         assert 0 < r.pttl(key) <= 600  # 3 heartbeats of 0.2 s
         first_ts = hb["ts"]
         wait_for(lambda: r.hget(key, "ts") != first_ts, what="the next heartbeat")
