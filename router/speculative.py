@@ -55,17 +55,18 @@ class SpeculativeEntries:
     def credit(self, bit: int, hashes: Sequence[int], hold: bool) -> SpeculativeCredit:
         """Credit replica ``bit`` with ``hashes``: one more hold of each, or a TTL from now."""
         mask = self.mask
+        if not hold:
+            for h in hashes:
+                mask[h] = mask.get(h, 0) | bit
+            return SpeculativeCredit(bit, hashes, self._start_ttl(bit, hashes))
+        holds = self._holds
         for h in hashes:
             mask[h] = mask.get(h, 0) | bit
-        if hold:
-            holds = self._holds
-            for h in hashes:
-                key = (h, bit)
-                holds[key] = holds.get(key, 0) + 1
-            credit = SpeculativeCredit(bit, hashes, math.inf)
-            self._held.add(credit)
-            return credit
-        return SpeculativeCredit(bit, hashes, self._start_ttl(bit, hashes))
+            key = (h, bit)
+            holds[key] = holds.get(key, 0) + 1
+        credit = SpeculativeCredit(bit, hashes, math.inf)
+        self._held.add(credit)
+        return credit
 
     def release(self, credit: SpeculativeCredit) -> None:
         """A held credit's request is prefilled: its holds go, and its entries live ``ttl`` from now
@@ -73,8 +74,18 @@ class SpeculativeEntries:
         if not credit.live or credit.until != math.inf:
             return
         self._held.discard(credit)
-        self._unhold(credit)
-        credit.until = self._start_ttl(credit.bit, credit.hashes)
+        holds, until, bit = self._holds, self._until, credit.bit
+        ends = self._clock() + self.ttl
+        for h in credit.hashes:
+            key = (h, bit)
+            n = holds[key] - 1
+            if n:
+                holds[key] = n
+            else:
+                del holds[key]
+            until[key] = ends  # the clock only goes forward: the latest end
+        self._queue.append((ends, bit, credit.hashes))
+        credit.until = ends
 
     def withdraw(self, credit: SpeculativeCredit) -> None:
         """Take ``credit`` back (its request will not store the blocks). A held credit gives up its
@@ -86,12 +97,18 @@ class SpeculativeEntries:
         bit, until = credit.bit, self._until
         if credit.until == math.inf:
             self._held.discard(credit)
-            now = self._clock()
-            for h in self._unhold(credit):
-                ends = until.get((h, bit))
-                if ends is None or ends <= now:
+            holds, now = self._holds, self._clock()
+            for h in credit.hashes:
+                key = (h, bit)
+                n = holds[key] - 1
+                if n:
+                    holds[key] = n
+                    continue
+                del holds[key]
+                ends = until.get(key)
+                if ends is None or ends <= now:  # no TTL left: the hold was all that kept it
                     if ends is not None:
-                        del until[(h, bit)]
+                        del until[key]
                     self._drop(h, bit)
             return
         for h in credit.hashes:
@@ -140,20 +157,6 @@ class SpeculativeEntries:
             until[(h, bit)] = ends
         self._queue.append((ends, bit, hashes))
         return ends
-
-    def _unhold(self, credit: SpeculativeCredit) -> list[int]:
-        """Take back one hold of each of ``credit``'s entries; returns the hashes no request holds now."""
-        holds, bit = self._holds, credit.bit
-        free = []
-        for h in credit.hashes:
-            key = (h, bit)
-            n = holds[key] - 1
-            if n:
-                holds[key] = n
-            else:
-                del holds[key]
-                free.append(h)
-        return free
 
     def _drop(self, h: int, bit: int) -> None:
         """Clear ``bit`` from ``mask[h]`` (the entry's holds and TTL are gone already)."""
