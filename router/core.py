@@ -17,6 +17,7 @@ from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
 from router.registry import ReplicaInfo, ReplicaRegistry
 from router.scoring import Candidate, Policy, RequestShape, Scored, pool_rate
+from router.speculative import SpeculativeCredit
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Decision:
     predicted_cached_tokens: int = 0
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds: hash, lookup, score, total
-    speculative_until: float | None = None  # set by Router.commit: the credit Router.withdraw takes back
+    speculative: SpeculativeCredit | None = None  # set by Router.commit: the credit Router.withdraw takes back
 
     def score_of(self, replica_id: str) -> Scored | None:
         return next((s for s in self.scored if s.candidate.replica_id == replica_id), None)
@@ -133,28 +134,29 @@ class Router:
         with self.index_lock:
             info = self.registry.get(rid)
             if info is not None and info.routable:
-                decision.speculative_until = self.index.add_speculative(rid, decision.block_hashes, hold=True)
+                decision.speculative = self.index.add_speculative(rid, decision.block_hashes, hold=True)
         uncached = max(decision.prompt_tokens - decision.predicted_cached_tokens, 1)
         ticket = self.load.begin(rid, uncached)
-        ticket.block_hashes = decision.block_hashes
+        ticket.speculative = decision.speculative
         return ticket
 
     def withdraw(self, decision: Decision) -> None:
         """Take back a committed decision's speculative entries: the replica refused the request
         or failed before its first token, so it will not store the blocks it was credited with.
-        Call it before :meth:`finish` (which releases the hold the entries are matched by)."""
-        if decision.picked is None or decision.speculative_until is None:
+        Only this request's hold goes: entries other requests hold stay. Call it before
+        :meth:`finish` (a released credit gives back only the TTL it started)."""
+        if decision.speculative is None:
             return
         with self.index_lock:
-            self.index.remove_speculative(decision.picked.replica_id, decision.block_hashes, decision.speculative_until)
-        decision.speculative_until = None
+            self.index.remove_speculative(decision.speculative)
+        decision.speculative = None
 
     def prefill_done(self, ticket: Ticket) -> None:
         """The request's first token arrived: its pending prefill leaves the load, and its
         speculative entries expire ``speculative_ttl`` from now (idempotent)."""
-        if not ticket.prefill_done:
+        if not ticket.prefill_done and ticket.speculative is not None:
             with self.index_lock:
-                self.index.release_speculative(ticket.replica_id, ticket.block_hashes)
+                self.index.release_speculative(ticket.speculative)
         self.load.prefill_done(ticket)
 
     def finish(self, ticket: Ticket) -> None:

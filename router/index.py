@@ -8,23 +8,25 @@ so the per-block cost does not grow with the number of replicas; the first block
 replica's bit drops out is its matched length. Duplicates exist on replicas (the same hash cached
 in two blocks), so a BlockRemoved of one copy only clears the bit when the last copy goes.
 
-Speculative entries credit a replica with a request's blocks right after routing it, for a short
-TTL, so that a burst of requests sharing a new prefix lands on one replica before its BlockStored
-events arrive. They count as GPU matches in lookups and are reported separately.
+Speculative entries (``router/speculative.py``) credit a replica with a request's blocks right
+after routing it, held until its prefill is done and for a short TTL after, so that a burst of
+requests sharing a new prefix lands on one replica before its BlockStored events arrive. They count
+as GPU matches in lookups and are reported separately. They live apart from the real entries: no
+speculative operation drops a real entry, and BlockRemoved / AllBlocksCleared leave them be (only
+forgetting the replica drops them).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice, repeat
 from operator import and_, neg, or_
 
 from kvroute.events import CPU, GPU, MEDIA
+from router.speculative import SpeculativeCredit, SpeculativeEntries
 
 try:
     from router import _index
@@ -51,16 +53,16 @@ class BlockIndex:
     """
 
     def __init__(self, speculative_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic):
-        self.speculative_ttl = speculative_ttl
-        self._clock = clock
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._masks: dict[str, dict[int, int]] = {m: {} for m in MEDIA}
         self._counts: dict[tuple[str, str], dict[int, int]] = {}
-        self._spec_mask: dict[int, int] = {}
-        self._spec_until: dict[tuple[int, int], float] = {}  # (hash, bit) -> expiry
-        self._spec_queue: deque[tuple[float, int, Sequence[int]]] = deque()
+        self._spec = SpeculativeEntries(speculative_ttl, clock)
+
+    @property
+    def speculative_ttl(self) -> float:
+        return self._spec.ttl
 
     # -- replicas ----------------------------------------------------------------------------------
     def _bit(self, replica: str) -> int:
@@ -108,14 +110,7 @@ class BlockIndex:
         if bit is None:
             return
         self.clear_replica(replica)
-        for key in [k for k in self._spec_until if k[1] == bit]:
-            del self._spec_until[key]
-        for h in [h for h, v in self._spec_mask.items() if v & bit]:
-            v = self._spec_mask[h] & ~bit
-            if v:
-                self._spec_mask[h] = v
-            else:
-                del self._spec_mask[h]
+        self._spec.forget(bit)  # its credits in flight come back void: the bit may be reused
         for m in MEDIA:
             del self._counts[(replica, m)]
         del self._bits[replica]
@@ -171,73 +166,39 @@ class BlockIndex:
             self.add(replica, hashes, medium)
 
     # -- speculative entries -----------------------------------------------------------------------
-    def add_speculative(self, replica: str, hashes: Sequence[int], *, hold: bool = False) -> float | None:
+    def add_speculative(self, replica: str, hashes: Sequence[int], *, hold: bool = False) -> SpeculativeCredit | None:
         """Credit ``replica`` with ``hashes`` (a request just routed there) for ``speculative_ttl``;
         with ``hold``, until :meth:`release_speculative` and ``speculative_ttl`` after it (a request
-        still waiting for its prefill there, however long the replica's queue).
+        still waiting for its prefill there, however long the replica's queue). Each held credit is
+        one hold of its entries: other requests' holds of the same entries are theirs.
 
         Returns:
-            The credit's expiry (the clock's seconds; ``math.inf`` while held), to pass to
+            This request's credit, to pass to :meth:`release_speculative` and
             :meth:`remove_speculative`; None when nothing was credited (speculative entries off,
             or no hash).
         """
         if self.speculative_ttl <= 0 or not hashes:
             return None
-        bit = self._bit(replica)
-        until = math.inf if hold else self._clock() + self.speculative_ttl
-        spec, spec_until = self._spec_mask, self._spec_until
-        for h in hashes:
-            spec[h] = spec.get(h, 0) | bit
-            spec_until[(h, bit)] = until
-        if not hold:  # the queue is in expiry order; held entries join it when released
-            self._spec_queue.append((until, bit, hashes))
-        return until
+        return self._spec.credit(self._bit(replica), hashes, hold)
 
-    def release_speculative(self, replica: str, hashes: Sequence[int]) -> None:
-        """Those of ``hashes`` still held for ``replica`` expire ``speculative_ttl`` from now (its
-        request's prefill is done: its BlockStored events are on their way)."""
-        bit = self._bits.get(replica)
-        if bit is None or self.speculative_ttl <= 0 or not hashes:
-            return
-        until = self._clock() + self.speculative_ttl
-        spec_until = self._spec_until
-        held = [h for h in hashes if spec_until.get((h, bit)) == math.inf]
-        for h in held:
-            spec_until[(h, bit)] = until
-        if held:
-            self._spec_queue.append((until, bit, held))
+    def release_speculative(self, credit: SpeculativeCredit | None) -> None:
+        """``credit``'s request is prefilled (its BlockStored events are on their way): if it is
+        still held, its holds go and its entries expire ``speculative_ttl`` from now, except those
+        another request still holds (they stay until no hold is left, then until the latest
+        release's TTL runs out). Idempotent; a withdrawn credit stays withdrawn."""
+        if credit is not None:
+            self._spec.release(credit)
 
-    def remove_speculative(self, replica: str, hashes: Sequence[int], until: float | None) -> None:
-        """Withdraw the credit :meth:`add_speculative` returned ``until`` for (the request was
-        refused, or failed before its first token: its blocks will never be stored). An entry a
-        later request has credited again (another expiry) stays."""
-        bit = self._bits.get(replica)
-        if bit is None or until is None:
-            return
-        spec_until = self._spec_until
-        for h in hashes:
-            if spec_until.get((h, bit)) == until:
-                self._drop_speculative(h, bit)
+    def remove_speculative(self, credit: SpeculativeCredit | None) -> None:
+        """Withdraw ``credit`` (the request was refused, or failed before its first token: its
+        blocks will never be stored). An entry another request holds, or credited again since
+        (another expiry), stays; so does every real entry. Idempotent."""
+        if credit is not None:
+            self._spec.withdraw(credit)
 
     def expire_speculative(self) -> None:
-        now = self._clock()
-        q, spec_until = self._spec_queue, self._spec_until
-        while q and q[0][0] <= now:
-            _, bit, hashes = q.popleft()
-            for h in hashes:
-                until = spec_until.get((h, bit))
-                if until is not None and until <= now:
-                    self._drop_speculative(h, bit)
-
-    def _drop_speculative(self, h: int, bit: int) -> None:
-        """Drop the speculative entry (h, replica bit), which exists."""
-        del self._spec_until[(h, bit)]
-        spec = self._spec_mask
-        v = spec.get(h, 0) & ~bit
-        if v:
-            spec[h] = v
-        else:
-            spec.pop(h, None)
+        """Drop the speculative entries whose TTL has run out and that no request holds."""
+        self._spec.expire()
 
     # -- lookup -----------------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, Match]:
@@ -255,7 +216,7 @@ class BlockIndex:
         Returns:
             ``{replica: Match}`` for every candidate.
         """
-        self.expire_speculative()
+        self._spec.expire()
         names = list(self._bits) if replicas is None else list(replicas)
         out = {r: Match() for r in names}
         bits = {self._bits[r]: r for r in names if r in self._bits}
@@ -266,7 +227,7 @@ class BlockIndex:
             alive |= b
         n = len(hashes)
         hashes = hashes if type(hashes) is list else list(hashes)
-        gpu, spec = self._masks[GPU], self._spec_mask
+        gpu, spec = self._masks[GPU], self._spec.mask
         gpu_end = leading_runs(hashes, (gpu, spec) if spec else (gpu,), 0, alive)
         if spec:
             # A replica's real run ends at its first block held only speculatively.

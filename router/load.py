@@ -13,13 +13,14 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 
 from kvroute.redis_connect import RedisAuth, connect
 from kvroute.redis_layout import RedisLayout
+from router.speculative import SpeculativeCredit
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class Ticket:
     prefill_tokens: int
     prefill_done: bool = False
     finished: bool = False
-    block_hashes: Sequence[int] = ()  # its speculative index entries, held until the prefill is done
+    speculative: SpeculativeCredit | None = None  # its index credit (Router.commit), held until the prefill is done
 
 
 class LoadTracker:

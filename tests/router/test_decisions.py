@@ -188,6 +188,20 @@ def test_a_withdrawn_decision_leaves_no_predicted_cached_tokens_for_its_prefix()
     assert router.decide(refused[:320]).predicted_cached_tokens == 0
 
 
+def test_a_withdrawn_decision_leaves_the_prefix_it_shares_with_a_request_still_waiting():
+    router = make_router(["R1"])
+    shared = prompt(9, 320)  # 20 blocks
+    refused = router.decide(shared + prompt(10, 320))
+    waiting = router.decide(shared + prompt(11, 320))  # a burst: both credited to R1, both held
+    refused_ticket = router.commit(refused)
+    router.commit(waiting)
+    router.withdraw(refused)  # R1 refused the first one
+    router.finish(refused_ticket)  # as the proxy does after a withdrawal
+    probe = shared + prompt(12, 16)  # 21 blocks, the last one new
+    assert router.decide(probe).predicted_cached_tokens == 320  # the waiting request's hold of the 20
+    assert router.decide(shared + prompt(10, 320)).predicted_cached_tokens == 320  # its own 20 are gone
+
+
 def test_no_routable_replica_gives_no_pick_and_a_reason():
     router = make_router([])
     d = router.decide(prompt(1, 40))

@@ -76,7 +76,7 @@ def test_a_withdrawn_speculative_credit_is_gone_and_a_later_credit_of_the_same_b
     refused = index.add_speculative("a", [1, 2, 3])
     now[0] = 1.0
     index.add_speculative("a", [3, 4])  # a later request credits block 3 again
-    index.remove_speculative("a", [1, 2, 3], refused)
+    index.remove_speculative(refused)
     assert index.lookup([1, 2, 3])["a"] == Match(gpu=1)  # the real entry of block 1 stays
     assert index.lookup([3, 4])["a"] == Match(gpu=2, speculative=2)
     now[0] = 20.0
@@ -172,17 +172,18 @@ def test_add_remove_clear_keep_counts_and_masks_equal_to_a_reference(events, wal
 def test_held_speculative_entries_outlive_the_ttl_until_released():
     now = [0.0]
     index = BlockIndex(speculative_ttl=2.0, clock=lambda: now[0])
-    index.add_speculative("a", [1, 2, 3], hold=True)  # a request queued behind a long backlog
-    index.add_speculative("b", [1, 2])  # an ordinary credit
+    queued = index.add_speculative("a", [1, 2, 3], hold=True)  # a request queued behind a long backlog
+    ordinary = index.add_speculative("b", [1, 2])  # an ordinary credit
     now[0] = 100.0
     got = index.lookup([1, 2, 3])
     assert got["a"] == Match(gpu=3, speculative=3)
     assert got.get("b", Match()) == Match()
-    index.release_speculative("a", [1, 2, 3])  # its prefill is done: 2 s more
+    index.release_speculative(queued)  # its prefill is done: 2 s more
     now[0] = 101.9
     assert index.lookup([1, 2, 3])["a"] == Match(gpu=3, speculative=3)
     now[0] = 102.0
     assert index.lookup([1, 2, 3]).get("a", Match()) == Match()
-    index.release_speculative("a", [1, 2, 3])  # released twice, or never held: nothing comes back
-    index.release_speculative("zz", [1])
+    index.release_speculative(queued)  # released twice, or never held: nothing comes back
+    index.release_speculative(ordinary)
+    index.release_speculative(None)
     assert index.lookup([1, 2, 3]).get("a", Match()) == Match()
