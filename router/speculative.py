@@ -13,10 +13,7 @@ do not end each other's credit: a withdrawal takes back one hold, and a release 
 only matters once the last hold is gone. Holds are few at a time (requests before their first
 token); an entry no request holds costs ``mask`` and ``until`` only. Keyed by bit, then hash
 (not by a (hash, bit) tuple): no tuple per entry, and forgetting a replica drops two dicts.
-Measured (``bench/speculative.py``, 2026-12-02, 2 shared cores): 107 B per entry, 32 requests held
-at a time (174 B when one (hash, bit)-keyed dict held a request as ``math.inf``, holds not
-counted); a hold + release of 512 blocks costs 2.3-3.4x the same blocks' ``BlockIndex.add`` +
-``remove`` (4.5-7x then).
+``bench/speculative.py`` measures the memory per entry and the cost of a hold against real entries.
 """
 
 from __future__ import annotations
