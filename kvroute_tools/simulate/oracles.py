@@ -14,6 +14,11 @@ with an unlimited cache and every request prefilled at admission measures (the e
   most-recently-used end tail first, so its first block is the last of them to be evicted.
   Simplified: a request's blocks are evictable as soon as it is seen (no request holds blocks
   while it runs) and its output blocks take no room.
+
+And one latency bound, :func:`ttft_floor`: the mean time to first token if every request ran alone
+on an idle replica with the ideal oracle's hits, its uncached tokens prefilled in steps of the
+token budget timed by the timing model. No policy's TTFT mean can be lower with these hits at best
+(a busy replica only adds waiting and shared steps).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.simulate.workload import prompt_len
 from kvroute_tools.trace import TraceRequest
 
@@ -85,6 +91,32 @@ def oracle_rates(requests: Sequence[TraceRequest], replicas: int, pooled_blocks:
     return OracleRates(total, rate(hit_ideal), rate(hit_rr), rate(hit_pooled))
 
 
+def prefill_alone_seconds(prompt_tokens: int, cached_tokens: int, timing: TimingModel, budget: int) -> float:
+    """Seconds from admission to the first token of a request alone on an idle replica: its
+    ``prompt_tokens - cached_tokens`` tokens in chunks of at most ``budget``, each step reading the
+    context up to the chunk's end (the cached tokens included)."""
+    done, seconds = cached_tokens, 0.0
+    while done < prompt_tokens:
+        chunk = min(budget, prompt_tokens - done)
+        done += chunk
+        seconds += timing.step_seconds(chunk, 0, done)
+    return seconds
+
+
+def ttft_floor(requests: Sequence[TraceRequest], timing: TimingModel, tokens_per_block: int, block_size: int,
+               budget: int, whole_blocks: bool = False) -> float:
+    """Mean seconds of :func:`prefill_alone_seconds` over ``requests``, each with the ideal oracle's
+    cached tokens (the module docstring's latency bound); 0.0 for no request."""
+    seen: set = set()
+    total = 0.0
+    for req in requests:
+        keys, n = block_keys(req, tokens_per_block, block_size, whole_blocks)
+        cached = _leading(keys, seen, max(n - 1, 0) // block_size) * block_size
+        seen.update(keys)
+        total += prefill_alone_seconds(n, cached, timing, budget)
+    return total / len(requests) if requests else 0.0
+
+
 def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block_size: int,
                   whole_blocks: bool = False) -> int:
     """Distinct full KV blocks over the requests' prompts (what ``--cache-fraction`` scales)."""
@@ -94,4 +126,4 @@ def unique_blocks(requests: Sequence[TraceRequest], tokens_per_block: int, block
     return len(seen)
 
 
-__all__ = ["OracleRates", "block_keys", "oracle_rates", "unique_blocks"]
+__all__ = ["OracleRates", "block_keys", "oracle_rates", "prefill_alone_seconds", "ttft_floor", "unique_blocks"]

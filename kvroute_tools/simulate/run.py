@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvroute_tools.simulate.cluster import SimConfig, SimError, simulate
 from kvroute_tools.simulate.flags import TIMING_FLAGS
-from kvroute_tools.simulate.oracles import OracleRates, oracle_rates, unique_blocks
+from kvroute_tools.simulate.oracles import OracleRates, oracle_rates, ttft_floor, unique_blocks
 from kvroute_tools.simulate.report import format_table, summarize, write_outputs
 from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.simulate.workload import time_scale_for_load
@@ -99,6 +99,9 @@ def simulate_main(args: argparse.Namespace) -> int:
     print(f"kvroute simulate: {len(plan.trace):,} requests of {plan.trace_name}; timing model: {plan.timing.name}")
     rows: list[dict] = []
     oracles: dict[int, OracleRates] = {}
+    first = plan.configs[0]
+    floor_s = ttft_floor(plan.trace, plan.timing, first.tokens_per_block, first.block_size, first.max_num_batched_tokens)
+    print(f"TTFT floor (every request alone on an idle replica with the ideal oracle's hits): mean {floor_s * 1e3:,.0f} ms")
     for cfg in plan.configs:
         pooled = cfg.replicas * (cfg.num_blocks - 1 + cfg.cpu_blocks)  # every tier's blocks
         oracle = oracle_rates(plan.trace, cfg.replicas, pooled, cfg.tokens_per_block, cfg.block_size)
@@ -121,6 +124,7 @@ def simulate_main(args: argparse.Namespace) -> int:
                                           f" {cfg.block_size} tokens, time scale {cfg.time_scale:.4g}"))
     if args.out:
         meta = {"trace": plan.trace_name, "requests": len(plan.trace), "timing": plan.timing.to_dict(),
+                "ttft_floor_s": floor_s,
                 "configs": [dataclasses.asdict(c) for c in plan.configs]}
         for f in write_outputs(args.out, rows, oracles, meta):
             print(f"wrote {f}")

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from kvroute_tools.simulate.cluster import SimConfig, simulate
-from kvroute_tools.simulate.oracles import oracle_rates
+from kvroute_tools.simulate.oracles import oracle_rates, prefill_alone_seconds, ttft_floor
 from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_mooncake
 
@@ -84,3 +84,25 @@ def test_three_requests_get_the_ttfts_the_timing_model_gives():
 def test_a_decode_window_lasts_as_long_as_its_steps():
     t = TimingModel()
     assert t.decode_window(7, 5000, 9) == pytest.approx(sum(t.step_seconds(0, 7, 5000 + 7 * i) for i in range(1, 10)))
+
+
+def test_prefill_alone_takes_the_timing_models_steps():
+    # 20,000 tokens, 4,096 cached, budget 8,192: chunks of 8,192 (context 12,288) and 7,712
+    # (context 20,000). Step = 1 ms + max(10 ms, 1 us x tokens) + 1 ns x context.
+    timing = TimingModel(overhead_s=0.001, weights_s=0.010, token_s=1e-6, kv_token_s=1e-9)
+    expected = (0.001 + 0.010 + 12_288e-9) + (0.001 + 0.010 + 20_000e-9)
+    assert prefill_alone_seconds(20_000, 4_096, timing, 8_192) == pytest.approx(expected, abs=1e-15)
+    assert prefill_alone_seconds(20_000, 4_096, timing, 1_000) == pytest.approx(
+        16 * 0.011 + (sum(range(5_096, 20_000, 1_000)) + 20_000) * 1e-9, abs=1e-12)  # 15 x 1,000 + 904
+
+
+@pytest.mark.parametrize("budget", [200_000, 8192])
+def test_requests_alone_on_one_unlimited_replica_reach_the_ttft_floor(first_1000, budget):
+    # The first 200 requests, 1,000 s apart (each done before the next arrives), one replica with
+    # an unlimited cache: every TTFT is the request's prefill alone with the ideal oracle's hits.
+    trace = [dataclasses.replace(r, timestamp_ms=i * 1_000_000.0) for i, r in enumerate(first_1000[:200])]
+    run = simulate(trace, dataclasses.replace(_unlimited(trace, 1), max_num_batched_tokens=budget), "kvroute")
+    measured = sum(r.first_token_s - r.arrival_s for r in run.requests) / len(trace)
+    floor = ttft_floor(trace, TimingModel(), 512, 512, budget)
+    assert measured == pytest.approx(floor, rel=1e-9)
+    assert floor > 0
