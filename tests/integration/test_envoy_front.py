@@ -9,7 +9,9 @@ prompts refused before anything is picked; a client cancel and an expired deadli
 replica, which frees its blocks; UNAVAILABLE with the reason when nothing is routable; the picker
 down -> an error, and no request upstream; 30 concurrent requests sharing a 512-token prefix landing
 as through the proxy, counted in flight at the pick and released at the end of each stream
-(cancels and errors included).
+(cancels and errors included); the response trailers reaching the picker for the sampled share
+only (``trailers_percent``), every call getting the pick in its trailers all the same; past
+``picker_streams`` a call refused at once.
 
 One module on purpose: the cluster's start costs more than the tests.
 """
@@ -245,6 +247,8 @@ def test_unsampled_calls_get_the_pick_in_their_trailers_and_skip_the_picker(via_
         call = gen_grpc.GenerationServiceStub(ch).GenerateStream(ids_request(ids), timeout=T)
         last = list(call)[-1]
         trailers = dict(call.trailing_metadata())
+        sent = front.stats("http.kvroute.ext_proc.stream_msgs_sent")["http.kvroute.ext_proc.stream_msgs_sent"]
+    assert sent == 1  # the body: no trailers message
     assert last.usage.cached_tokens == 4 * B
     assert trailers["x-kvroute-cached-tokens"] == str(4 * B)  # the replica's own
     assert trailers["x-kvroute-predicted-cached-tokens"] == str(4 * B)  # Envoy's, from the picker's metadata
@@ -272,3 +276,14 @@ def test_past_its_stream_limit_the_picker_refuses_at_once(redis_server, default_
         held.cancel()
         wait_for(lambda: not one.server.load.local(), what="the held call released")
         assert len(list(gen.GenerateStream(ids_request(prompt(23, 40)), timeout=T))) > 1
+
+
+def test_a_sampled_share_of_the_calls_sends_its_trailers_to_the_picker(router, tmp_path):
+    n = 40
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path, trailers_percent=50) as front, \
+            grpc.insecure_channel(front.target) as ch:
+        gen = gen_grpc.GenerationServiceStub(ch)
+        for i in range(n):
+            list(gen.GenerateStream(ids_request(prompt(100 + i, 20), gen_pb.SamplingParams(max_tokens=1)), timeout=T))
+        sent = front.stats("http.kvroute.ext_proc.stream_msgs_sent")["http.kvroute.ext_proc.stream_msgs_sent"]
+    assert 5 < sent - n < n - 5  # one body each, and the trailers of about half (Binomial(40, 0.5))
