@@ -1,20 +1,24 @@
 """``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
-answered with the proxy's decision path (router.picker's table). Runs on the router's gRPC server.
+answered with the proxy's decision path (router.picker's table). Served by router.picker.server
+(a synchronous grpc.server: each stream on a pool thread, for as long as its HTTP call).
 
 One stream, as a gateway that sends the request headers drives it::
 
     ← request_headers   remember :path, content-type                       → CONTINUE
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
-                        → decide (minus the replicas outside the subset hint) → commit
-                        → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
-    ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
-                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens, and the picker
-                          ends the stream (the last message Envoy sends: no read of its half-close)
-    stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+                        → decide (minus the replicas outside the subset hint) → commit, as one
+                          step under Router.decision_lock (the proxy and the other streams pick too)
+                        → destination(picked, fallbacks...) + the pick as kvroute.routing metadata
+                          | ImmediateResponse 400 / 503 / 429
+    ← response_trailers (a sampled share, kvroute_tools.envoy) grpc-status, x-kvroute-cached-tokens
+                        → prediction accuracy → + x-kvroute-replica, x-kvroute-predicted-cached-tokens,
+                          and the picker ends the stream (the last message Envoy sends)
+    stream end / cancel → ticket finished (exactly once, after the stream's last answer), metrics recorded
 
 Envoy configured by ``kvroute_tools.envoy`` skips the headers message (one message fewer on the way
 to the first byte): the body comes first, with :path and content-type as its request attributes
-(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata.
+(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata. Without
+the trailers message the stream still lasts until the HTTP stream ends (Envoy closes it then).
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
 answered, a Python wake-up on every call's time to first token (measured: most of what the picker
