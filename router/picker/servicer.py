@@ -57,7 +57,6 @@ from router.registry import ReplicaInfo, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
-EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 _REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
 _TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
@@ -272,4 +271,4 @@ def _pass_through(kind: str | None) -> ext_pb.ProcessingResponse:
     return ext_pb.ProcessingResponse()
 
 
-__all__ = ["EXT_PROC_SERVICE", "EndpointPicker"]
+__all__ = ["EndpointPicker"]
