@@ -23,11 +23,11 @@ from kvroute_tools.envoy import DESTINATION_HEADER, EnvoyFront
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def start_gateways(stack: contextlib.ExitStack, router_target: str, replica_target: str, tmp: Path
+def start_gateways(stack: contextlib.ExitStack, router_target: str, picker_target: str, replica_target: str, tmp: Path
                    ) -> tuple[dict[str, str], dict[str, tuple[tuple[str, str], ...]]]:
     """Start both Envoys (stopped by ``stack``): ({side: target}, {side: the metadata its calls carry})."""
-    alone = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-alone", picker=False))
-    picker = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-picker"))
+    alone = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-alone"))
+    picker = stack.enter_context(EnvoyFront(router_target, picker_target=picker_target, folder=tmp / "envoy-picker"))
     return ({"envoy": alone.target, "picker": picker.target},
             {"envoy": ((DESTINATION_HEADER, replica_target),)})
 

@@ -26,7 +26,7 @@ def banner_text(cluster: Any) -> str:
     ]
     if cluster.envoy is not None and cluster.envoy.child is not None:
         lines.append(f"  {'envoy':<11} {t:<22} pid {cluster.envoy.child.pid} (the front; admin {cluster.envoy.admin_url},"
-                     f" log {cluster.envoy.log_path}; the router is its endpoint picker)")
+                     f" log {cluster.envoy.log_path}; its endpoint picker: the router on {cluster.picker_target})")
     for c in cluster.replicas:
         lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}{metrics(c.name)}")
     if cluster.redis is not None:

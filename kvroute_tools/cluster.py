@@ -132,6 +132,7 @@ class LocalCluster:
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
         self.admin_token = ""  # the token in it
         self.envoy: EnvoyFront | None = None  # --gateway envoy
+        self.picker_target = ""  # --gateway envoy: the router's endpoint picker (its --picker-port)
         self.metrics_urls: dict[str, str] = {}  # process name -> http://host:port/metrics (with metrics)
         self.replica_http_urls: list[str] = []  # http://host:port per replica (--replica-http-base-port)
         self.model_dir = config.model
@@ -188,13 +189,17 @@ class LocalCluster:
                 if http >= 0:
                     self.replica_http_urls.append(f"http://{cfg.dial_host}:{http}")
             argv = self._router_argv(router_port, http_port) + metrics_flags("router", metrics_ports)
+            if cfg.gateway == "envoy":  # the router's endpoint picker port, Envoy's ext_proc cluster
+                picker_port = free_port(cfg.dial_host)
+                self.picker_target = f"{cfg.dial_host}:{picker_port}"
+                argv += ["--picker-port", str(picker_port)]
             self.router = Child("router", argv, self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
             self._wait_ready([*self.replicas, self.router], deadline)
             self._wait_routable(deadline)
             if cfg.gateway == "envoy":
-                self.envoy = EnvoyFront(self.router_target, host=cfg.host, port=cfg.gateway_port,
-                                        folder=self.log_dir)
+                self.envoy = EnvoyFront(self.router_target, picker_target=self.picker_target, host=cfg.host,
+                                        port=cfg.gateway_port, folder=self.log_dir)
                 try:
                     self.envoy.start(max(deadline - time.monotonic(), 5.0))
                 except (FileNotFoundError, RuntimeError) as e:

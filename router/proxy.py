@@ -220,15 +220,16 @@ class Proxy:
             exclude: list[str] = []
             failures: list[str] = []
             while True:
-                decision = self.decide(ids, request.cache_salt, exclude)
-                picked = decision.picked
+                with self.router.decision_lock:  # decide + commit as one step (the picker's threads pick too)
+                    decision = self.decide(ids, request.cache_salt, exclude)
+                    picked = decision.picked
+                    ticket = self.commit(decision) if picked is not None and picked.address else None
                 if picked is None:
                     raise NoReplicaError("; ".join([*failures, decision.reason]))
-                if not picked.address:  # a heartbeat without an address: nothing to dial
+                if ticket is None:  # a heartbeat without an address: nothing to dial
                     exclude.append(picked.replica_id)
                     failures.append(f"{picked.replica_id}: its heartbeat has no address")
                     continue
-                ticket = self.commit(decision)
                 attempts.append((decision, None))
                 routing_md = ((MD_REPLICA, picked.replica_id), (MD_PREDICTED, str(decision.predicted_cached_tokens)))
                 context.set_trailing_metadata(routing_md)

@@ -1,5 +1,5 @@
 """The router process: consumer + index + registry + discovery + load sync + gRPC proxy, the
-Gateway API Inference Extension endpoint picker (Envoy ext_proc, router.picker; same port), health,
+Gateway API Inference Extension endpoint picker (Envoy ext_proc, router.picker; ``picker_port``), health,
 reflection and telemetry (DESIGN.md §5, §6), and the OpenAI-compatible HTTP API (``http_port``;
 router.http_api).
 
@@ -24,7 +24,6 @@ import threading
 from typing import Any
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -48,6 +47,7 @@ from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, Sta
 from router.http_api import router_http_app
 from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
+from router.picker.server import PickerServer
 from router.picker.servicer import EndpointPicker
 from router.proxy import Proxy
 from router.registry import ReplicaRegistry
@@ -88,7 +88,7 @@ def make_discovery(settings: RouterSettings, registry: ReplicaRegistry) -> Disco
 class RouterServer:
     """One router's gRPC server and the machinery behind it (see the module docstring).
 
-    After ``await start()``: ``port`` (bound), ``http_port`` (bound; None when off), ``router_id``, ``router`` (core.Router), ``proxy``,
+    After ``await start()``: ``port`` (bound), ``http_port`` / ``picker_port`` (bound; None when off), ``router_id``, ``router`` (core.Router), ``proxy``,
     ``index``, ``registry``, ``consumer``, ``load``, ``discovery``, ``tokenizer``.
     """
 
@@ -108,6 +108,8 @@ class RouterServer:
         self.proxy: Proxy | None = None
         self.metrics: RouterMetrics | None = None
         self.http_port: int | None = None
+        self.picker_port: int | None = None
+        self._picker: PickerServer | None = None
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
         self._health = health.aio.HealthServicer()
@@ -120,6 +122,11 @@ class RouterServer:
     def target(self) -> str:
         """``host:port`` to dial on this machine."""
         return dial_target(self.settings.host, self.port)
+
+    @property
+    def picker_target(self) -> str:
+        """The endpoint picker's ``host:port`` on this machine ("" when ``picker_port`` is off)."""
+        return dial_target(self.settings.host, self.picker_port) if self.picker_port else ""
 
     def policy(self, name: str) -> Policy:
         """A fresh policy of that name with this router's weights and seed."""
@@ -188,11 +195,10 @@ class RouterServer:
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
         add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy, admin_token))
-        # The endpoint picker on the same port: an InferencePool's endpointPickerRef (or Envoy's
-        # ext_proc cluster) names the router's gRPC Service port.
-        # (Envoy's generated registration: the picker answers every message itself, no error boundary.)
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks),
-                                                              server)
+        if s.picker_port >= 0:  # its own port and server (router.picker.server); bound now, like HTTP
+            self._picker = PickerServer(EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks), s.host,
+                                        s.picker_port, server_tls, s.picker_streams)
+            self.picker_port = self._picker.start()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_all(_NOT_SERVING)
@@ -213,6 +219,9 @@ class RouterServer:
             ("mTLS" if s.tls_client_ca_file else "TLS") if server_tls else "plaintext",
             "with the admin token" if admin_token else "off",
         )
+        if self._picker is not None:
+            log.info("router %s: endpoint picker (ext_proc) on %s:%d, %d streams at most", self.router_id, s.host,
+                     self.picker_port, self._picker.max_streams)
 
     async def _become_ready(self) -> None:
         assert self.consumer is not None
@@ -243,6 +252,8 @@ class RouterServer:
             await self._health.enter_graceful_shutdown()
             if self._http is not None:
                 await self._http.stop(grace)
+            if self._picker is not None:  # Envoy's calls in flight end with their streams
+                await asyncio.to_thread(self._picker.stop, grace)
             if self._server is not None:
                 await self._server.stop(grace)
             if self._ready_task is not None:
@@ -278,6 +289,10 @@ class BackgroundRouter(BackgroundServer):
                 raise TimeoutError(f"router not ready within {ready_timeout}s (is Redis at {redact(settings.redis_url)} up?)")
 
         self._start(lambda: RouterServer(settings, telemetry=telemetry), "router-server", start)
+
+    @property
+    def picker_target(self) -> str:
+        return self.server.picker_target
 
 
 def _check_settings(settings: RouterSettings) -> None:

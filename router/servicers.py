@@ -13,7 +13,6 @@ from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from router.picker.servicer import EXT_PROC_SERVICE
 from router.proxy import GENERATION_SERVICE, ROUTER_SERVICE, Proxy, classify_error
 
 _boundary = error_boundary(classify_error)
@@ -70,8 +69,9 @@ class RouterServicer(router_grpc.RouterServiceServicer):
 
 
 def service_names() -> Sequence[str]:
-    """Full names of the services the router serves (health statuses, reflection)."""
-    return (GENERATION_SERVICE, ROUTER_SERVICE, EXT_PROC_SERVICE)
+    """Full names of the services the router's gRPC port serves (health statuses, reflection); the
+    endpoint picker has its own port (router.picker.server)."""
+    return (GENERATION_SERVICE, ROUTER_SERVICE)
 
 
 __all__ = ["GenerationServicer", "RouterServicer", "service_names"]

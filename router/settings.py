@@ -72,6 +72,14 @@ class RouterSettings:
     replica_tls_key_file: str = setting("", "client private key (PEM) for replica_tls_cert_file")
     admin_token: str = setting("", "bearer token RouterService.SetPolicy requires (empty = SetPolicy off)", secret=True)
     admin_token_file: str = setting("", "file whose first line is the admin token")
+    picker_port: int = setting(
+        -1, "endpoint picker (Envoy ext_proc, the Gateway API Inference Extension's EPP) port"
+            " (-1 = off, 0 = pick a free one; EPPs conventionally use 9002)"
+    )
+    picker_streams: int = setting(
+        256, "endpoint picker: streams served at once, one thread each, each as long as its HTTP call"
+             " (calls in flight through the gateway); past it a call fails at once with UNAVAILABLE"
+    )
     picker_fallbacks: int = setting(
         0, "endpoint picker: next-best endpoints listed after the pick (0 for Envoy's ORIGINAL_DST, which takes one)"
     )

@@ -5,6 +5,7 @@ ext_proc messages: what a gateway sends the picker and what the picker answers. 
                  ["x-gateway-destination-endpoint-subset"] = ["ip:port", ...]   (optional)
     answer   header  x-gateway-destination-endpoint: "ip:port,ip:port,..."      (picked first)
              dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]: the same string
+             dynamic_metadata["kvroute.routing"]: x-kvroute-replica, -predicted-cached-tokens (kvroute's)
              or ImmediateResponse 503 (no ready endpoint / empty or ineligible subset), 429 (shed)
 
 The protocol's ``x-gateway-destination-endpoint-served`` (which endpoint of a list served the call,
@@ -26,6 +27,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# kvroute's own: the pick as {trailer name: value} for the gateway to add to the client's trailers
+# (kvroute_tools.envoy's header_mutation filter), without sending it the response trailers.
+ROUTING_NAMESPACE = "kvroute.routing"
 # A gateway that skips the request headers message (kvroute_tools.envoy's bootstrap) sends what the
 # pick needs of them as ext_proc request attributes (CEL) with the body message, in this namespace.
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
@@ -104,11 +108,13 @@ def continue_response_headers() -> ext_pb.ProcessingResponse:
     return _CONTINUE_RESPONSE_HEADERS
 
 
-def destination(endpoints: Sequence[str], *, on_headers: bool = False) -> ext_pb.ProcessingResponse:
+def destination(endpoints: Sequence[str], *, on_headers: bool = False,
+                routing: Mapping[str, str] | None = None) -> ext_pb.ProcessingResponse:
     """The pick: ``endpoints`` (``ip:port``, the picked one first, then the fallbacks in order) in
     the destination header and the ``envoy.lb`` dynamic metadata, the same string in both (the
-    protocol forbids two values). Answers the request body message, or the headers message with
-    ``on_headers`` (a call without a body).
+    protocol forbids two values); ``routing`` (trailer name -> value) in the ``kvroute.routing``
+    metadata. Answers the request body message, or the headers message with ``on_headers`` (a call
+    without a body).
 
     Raises:
         ValueError: ``endpoints`` is empty (answer :func:`immediate` instead).
@@ -120,6 +126,8 @@ def destination(endpoints: Sequence[str], *, on_headers: bool = False) -> ext_pb
                                    clear_route_cache=False)
     md = struct_pb2.Struct()
     md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    for k, v in (routing or {}).items():
+        md.fields[ROUTING_NAMESPACE].struct_value.fields[k].string_value = v
     if on_headers:
         return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse(response=common), dynamic_metadata=md)
     return ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse(response=common), dynamic_metadata=md)
@@ -150,6 +158,7 @@ __all__ = [
     "PATH_ATTRIBUTE",
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
+    "ROUTING_NAMESPACE",
     "SUBSET_KEY",
     "SUBSET_NAMESPACE",
     "continue_headers",

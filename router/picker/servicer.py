@@ -1,20 +1,24 @@
 """``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
-answered with the proxy's decision path (router.picker's table). Runs on the router's gRPC server.
+answered with the proxy's decision path (router.picker's table). Served by router.picker.server
+(a synchronous grpc.server: each stream on a pool thread, for as long as its HTTP call).
 
 One stream, as a gateway that sends the request headers drives it::
 
     ← request_headers   remember :path, content-type                       → CONTINUE
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
-                        → decide (minus the replicas outside the subset hint) → commit
-                        → destination(picked, fallbacks...)  | ImmediateResponse 400 / 503 / 429
-    ← response_trailers grpc-status, x-kvroute-cached-tokens → prediction accuracy
-                        → + x-kvroute-replica, x-kvroute-predicted-cached-tokens, and the picker
-                          ends the stream (the last message Envoy sends: no read of its half-close)
-    stream end / cancel → ticket finished (exactly once), metrics recorded off the response path
+                        → decide (minus the replicas outside the subset hint) → commit, as one
+                          step under Router.decision_lock (the proxy and the other streams pick too)
+                        → destination(picked, fallbacks...) + the pick as kvroute.routing metadata
+                          | ImmediateResponse 400 / 503 / 429
+    ← response_trailers (a sampled share, kvroute_tools.envoy) grpc-status, x-kvroute-cached-tokens
+                        → prediction accuracy → + x-kvroute-replica, x-kvroute-predicted-cached-tokens,
+                          and the picker ends the stream (the last message Envoy sends)
+    stream end / cancel → ticket finished (exactly once, after the stream's last answer), metrics recorded
 
 Envoy configured by ``kvroute_tools.envoy`` skips the headers message (one message fewer on the way
 to the first byte): the body comes first, with :path and content-type as its request attributes
-(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata.
+(``protocol.path_and_content_type``), and the pick is read from the ``envoy.lb`` metadata. Without
+the trailers message the stream still lasts until the HTTP stream ends (Envoy closes it then).
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
 answered, a Python wake-up on every call's time to first token (measured: most of what the picker
@@ -29,12 +33,12 @@ refused prompt is an ImmediateResponse with the status the proxy gives it.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,16 +48,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
-from router.core import Decision
+from router.core import Decision, Router
 from router.load import Ticket
 from router.picker import protocol
 from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
 from router.proxy import Proxy
-from router.registry import ReplicaInfo
+from router.registry import ReplicaInfo, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
-EXT_PROC_SERVICE = ext_pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 _REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
 _TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
@@ -92,23 +95,24 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         self._proxy = proxy
         self._fallbacks = fallbacks
         self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
+        self._lock = threading.Lock()  # _unsettled: the pool's threads pick concurrently
 
-    async def Process(self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> None:
-        # context.read / write rather than an async generator over request_iterator: fewer
-        # event-loop hops per message (the stream is on every call's way to its first token).
+    def Process(self, request_iterator: Iterator[ext_pb.ProcessingRequest],
+                context: grpc.ServicerContext) -> Iterator[ext_pb.ProcessingResponse]:
+        # One pool thread per stream, for as long as the HTTP call lasts (router.picker.server).
         call = _Call()
         try:
-            while (msg := await context.read()) is not grpc.aio.EOF:
-                await context.write(self._answer(call, msg))
+            for msg in request_iterator:
+                yield self._answer(call, msg)
                 if call.answered_trailers:
-                    break
+                    return
         finally:
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
-            # with it). Released now; recorded after, off the event loop's current turn.
+            # with it; a cancel ends the iteration with an RpcError). After every answer of the
+            # stream: a ticket committed by one is never missed.
             if call.ticket is not None:
                 self._proxy.router.finish(call.ticket)
-            asyncio.get_running_loop().call_soon(self._record, call, time.perf_counter() - call.t0)
+            self._record(call, time.perf_counter() - call.t0)
 
     def _answer(self, call: _Call, msg: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
         """The answer to one message of the stream (the module docstring's table)."""
@@ -160,22 +164,29 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)
             return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"every replica's waiting queue is full ({queues}); retry later")
-        decision = self._proxy.decide(ids, salt, [*exclude, *(r.replica_id for r in full)])
+        with self._proxy.router.decision_lock:  # decide + commit as one step (other threads pick too)
+            decision = self._proxy.decide(ids, salt, [*exclude, *(r.replica_id for r in full)])
+            if decision.picked is not None:
+                call.ticket = self._proxy.commit(decision)
         call.decision = decision
         if decision.picked is None:
             why = decision.reason if subset is None else f"no replica of the subset {','.join(subset)} is routable"
             return self._refuse(call, grpc.StatusCode.UNAVAILABLE, why)
-        call.ticket = self._proxy.commit(decision)
         call.picked_at = time.time()
-        self._unsettled.append(call)
+        with self._lock:
+            self._unsettled.append(call)
         endpoints = [decision.picked.address, *self._next_best(decision)]
-        return protocol.destination(endpoints, on_headers=on_headers)
+        return protocol.destination(endpoints, on_headers=on_headers, routing=_routing(decision))
 
     def _settle_prefill(self) -> None:
         """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
         (module docstring). Pick order, stopping at the first not covered: O(1) amortised."""
         router = self._proxy.router
         registry = router.registry
+        with self._lock:
+            self._settle_locked(router, registry)
+
+    def _settle_locked(self, router: Router, registry: ReplicaRegistry) -> None:
         while self._unsettled:
             call = self._unsettled[0]
             ticket = call.ticket
@@ -220,9 +231,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         raw = trailers.get(MD_CACHED_TOKENS, "")
         call.cached_tokens = int(raw) if raw.isdigit() else None
         d = call.decision
-        if d is None or d.picked is None:
-            return protocol.trailers_response({})
-        return protocol.trailers_response({MD_REPLICA: d.picked.replica_id, MD_PREDICTED: str(d.predicted_cached_tokens)})
+        return protocol.trailers_response(_routing(d) if d is not None and d.picked is not None else {})
 
     def _record(self, call: _Call, duration_s: float) -> None:
         metrics = self._proxy.metrics
@@ -238,6 +247,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             prompt_tokens=d.prompt_tokens if d is not None else None, completion_tokens=None,
             error_type=call.status if call.status not in ("", "OK") else None,
         )
+
+
+def _routing(decision: Decision) -> dict[str, str]:
+    """The pick as the client's routing trailers (the proxy's RoutingInfo)."""
+    assert decision.picked is not None
+    return {MD_REPLICA: decision.picked.replica_id, MD_PREDICTED: str(decision.predicted_cached_tokens)}
 
 
 _STATUS_NAMES = {str(c.value[0]): c.name for c in grpc.StatusCode}
@@ -256,4 +271,4 @@ def _pass_through(kind: str | None) -> ext_pb.ProcessingResponse:
     return ext_pb.ProcessingResponse()
 
 
-__all__ = ["EXT_PROC_SERVICE", "EndpointPicker"]
+__all__ = ["EndpointPicker"]

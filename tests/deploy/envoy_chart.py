@@ -17,9 +17,10 @@ from kvroute_tools.envoy import bootstrap
 from tests.deploy.chart import CHART_DIR
 
 BOOTSTRAP_FILE = CHART_DIR / "files" / "envoy-bootstrap.json"
-# Placeholder addresses: the template replaces all three from the values.
+# Placeholder addresses: the template replaces all four from the values.
 PLACEHOLDERS = {"listen_host": "0.0.0.0", "listen_port": 8080, "router_host": "kvroute-router",
-                "router_port": 50050, "admin_host": "127.0.0.1", "admin_port": 9901}
+                "router_port": 50050, "picker_host": "kvroute-router", "picker_port": 9002,
+                "admin_host": "127.0.0.1", "admin_port": 9901}
 
 
 def chart_bootstrap() -> dict[str, Any]:

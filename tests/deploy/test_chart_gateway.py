@@ -76,14 +76,15 @@ def test_the_charts_bootstrap_file_is_the_generators_output():
 
 def test_the_rendered_bootstrap_is_the_generators_for_the_release_addresses():
     values = {"gateway": {"mode": "envoy", "envoy": {"port": 9443, "adminPort": 9902, "readyPort": 19009}},
-              "router": {"service": {"port": 50060}}}
+              "router": {"service": {"port": 50060}, "picker": {"port": 9012}}}
     config = rendered_bootstrap(values)
     listeners, clusters = config["static_resources"]["listeners"], config["static_resources"]["clusters"]
     ready = listeners.pop([x["name"] for x in listeners].index("ready"))
     admin = clusters.pop([c["name"] for c in clusters].index("envoy_admin"))
     # Everything else is exactly the generator's, addresses included.
     assert config == bootstrap(listen_host="0.0.0.0", listen_port=9443, router_host=f"{ROUTER}.{NAMESPACE}.svc",
-                               router_port=50060, admin_host="127.0.0.1", admin_port=9902)
+                               router_port=50060, picker_host=f"{ROUTER}.{NAMESPACE}.svc", picker_port=9012,
+                               admin_host="127.0.0.1", admin_port=9902)
     # The kubelet's listener: only /ready, to the admin on loopback.
     assert ready["address"] == {"socket_address": {"address": "0.0.0.0", "port_value": 19009}}
     hcm = ready["filter_chains"][0]["filters"][0]["typed_config"]
@@ -196,12 +197,16 @@ def test_the_inference_pool_validates_against_the_published_crd_and_selects_the_
     grpc_port = next(p["containerPort"] for p in container(replica, "replica")["ports"] if p["name"] == "grpc")
     assert pool["spec"]["targetPorts"] == [{"number": grpc_port}]
     assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"  # the replicas speak gRPC
-    # The endpoint picker is the router Service's gRPC port (the picker shares it), failing closed.
+    # The endpoint picker is the router Service's picker port (the EPP's 9002), failing closed.
     ref = pool["spec"]["endpointPickerRef"]
     router_svc = find(docs, "Service", ROUTER)
     assert (ref["kind"], ref["name"], ref["failureMode"]) == ("Service", ROUTER, "FailClose")
-    assert {"name": "grpc", "port": ref["port"]["number"]}.items() <= router_svc["spec"]["ports"][0].items()
-    assert find(docs, "Deployment", ROUTER)  # the router runs, as the picker
+    ports = {p["name"]: p for p in router_svc["spec"]["ports"]}
+    assert ports["picker"]["port"] == ref["port"]["number"] == 9002 and ports["picker"]["targetPort"] == "picker"
+    router = find(docs, "Deployment", ROUTER)  # the router runs, as the picker, on that port
+    rc = container(router, "router")
+    assert {"name": "picker", "containerPort": 9002, "protocol": "TCP"} in rc["ports"]
+    assert {"name": "KVROUTE_PICKER_PORT", "value": "9002"} in rc["env"]
 
 
 def test_the_crd_check_rejects_what_the_api_server_would():

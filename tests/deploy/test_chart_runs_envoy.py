@@ -80,8 +80,8 @@ def test_the_rendered_envoy_front_carries_generations_to_the_picked_replica(tmp_
             stats = {s["name"]: s["value"] for s in json.load(r)["stats"] if "value" in s}
         n = 3 * len(PREFIXES)
         assert stats["cluster.kvroute_replicas.upstream_rq_completed"] == n
-        # One ext_proc stream to the router per call (its only requests: nothing else went there).
-        assert stats["cluster.kvroute_router.upstream_rq_completed"] == n
+        # One ext_proc stream to the router's picker port per call (nothing else went there).
+        assert stats["cluster.kvroute_picker.upstream_rq_completed"] == n
         assert (stats["http.kvroute.ext_proc.streams_started"], stats["http.kvroute.ext_proc.streams_failed"]) == (n, 0)
         # Each prefix stayed on one replica, and the repeats found it cached (>= 2 blocks each).
         assert all(len(hosts) == 1 for hosts in landed.values()), landed

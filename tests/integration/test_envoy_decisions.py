@@ -54,7 +54,7 @@ def router(redis_server, default_model_dir, stubs):
     settings = RouterSettings(
         host="127.0.0.1", port=0, redis_url=redis_server.url, model=str(default_model_dir), seed=7,
         heartbeat_poll_interval=0.05, prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.002,
-        prefill_work_weight=1.0, kv_footprint_weight=0.0, kv_usage_weight=0.0, speculative_ttl=0.0,
+        prefill_work_weight=1.0, kv_footprint_weight=0.0, kv_usage_weight=0.0, speculative_ttl=0.0, picker_port=0,
     )
     with BackgroundRouter(settings) as r:
         wait_for(lambda: {i.replica_id for i in r.server.registry.routable()} == set(stubs), what="stubs routable")
@@ -63,7 +63,7 @@ def router(redis_server, default_model_dir, stubs):
 
 @pytest.fixture(scope="module")
 def envoy(router, tmp_path_factory):
-    with EnvoyFront(router.target, folder=tmp_path_factory.mktemp("envoy")) as e:
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path_factory.mktemp("envoy")) as e:
         yield e
 
 
@@ -206,7 +206,7 @@ def _pick_messages(ids, subset, *, attributes: bool = False):
 
 def pick(router, ids, subset, *, attributes: bool = False) -> ext_pb.ProcessingResponse:
     """The picker's answer to the body of one call with the subset hint ``subset`` (None: no hint)."""
-    with grpc.insecure_channel(router.target) as ch:
+    with grpc.insecure_channel(router.picker_target) as ch:
         answers = list(ext_grpc.ExternalProcessorStub(ch).Process(_pick_messages(ids, subset, attributes=attributes),
                                                                   timeout=T))
     if attributes:
@@ -266,22 +266,8 @@ def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
     indexed(router, stubs["R3"], tokens, 3)
     picker = EndpointPicker(router.server.proxy, fallbacks=2)
 
-    class Stream:  # the ext_proc stream's side a servicer sees: read until EOF, write the answers
-        def __init__(self):
-            self.incoming, self.answers = list(_pick_messages(tokens, None)), []
-
-        async def read(self):
-            return self.incoming.pop(0) if self.incoming else grpc.aio.EOF
-
-        async def write(self, msg):
-            self.answers.append(msg)
-
-    async def run():
-        stream = Stream()
-        await picker.Process(None, stream)
-        return stream.answers
-
-    answers = router.run(run())
+    # The servicer alone, as its server's pool thread drives it: the messages in, the answers out.
+    answers = list(picker.Process(_pick_messages(tokens, None), None))
     value = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
     assert value.string_value == ",".join(stubs[r].target for r in ("R2", "R3", "R1"))
     wait_for(lambda: not router.server.load.local(), what="the pick's load released with the stream")

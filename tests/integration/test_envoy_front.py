@@ -9,7 +9,9 @@ prompts refused before anything is picked; a client cancel and an expired deadli
 replica, which frees its blocks; UNAVAILABLE with the reason when nothing is routable; the picker
 down -> an error, and no request upstream; 30 concurrent requests sharing a 512-token prefix landing
 as through the proxy, counted in flight at the pick and released at the end of each stream
-(cancels and errors included).
+(cancels and errors included); the response trailers reaching the picker for the sampled share
+only (``trailers_percent``), every call getting the pick in its trailers all the same; past
+``picker_streams`` a call refused at once.
 
 One module on purpose: the cluster's start costs more than the tests.
 """
@@ -57,7 +59,7 @@ def replicas(redis_server, default_model_dir):
 
 def router_settings(redis_server, model_dir, **kw) -> RouterSettings:
     return RouterSettings(**{**dict(host="127.0.0.1", port=0, redis_url=redis_server.url, model=str(model_dir),
-                                    seed=0, heartbeat_poll_interval=0.1), **kw})
+                                    seed=0, heartbeat_poll_interval=0.1, picker_port=0), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,8 @@ def router(redis_server, default_model_dir, replicas, metric_reader):
 
 @pytest.fixture(scope="module")
 def envoy(router, tmp_path_factory):
-    with EnvoyFront(router.target, folder=tmp_path_factory.mktemp("envoy")) as e:
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path_factory.mktemp("envoy"),
+                    trailers_percent=100) as e:
         yield e
 
 
@@ -160,7 +163,7 @@ def test_client_cancel_and_deadline_expiry_reach_the_replica_and_free_its_blocks
 
 def test_no_routable_replica_is_unavailable_with_the_reason(redis_server, default_model_dir, replicas, tmp_path):
     with BackgroundRouter(router_settings(redis_server, default_model_dir, block_size=32)) as other, \
-            EnvoyFront(other.target, folder=tmp_path) as front, grpc.insecure_channel(front.target) as ch:
+            EnvoyFront(other.target, picker_target=other.picker_target, folder=tmp_path) as front, grpc.insecure_channel(front.target) as ch:
         wait_for(lambda: len(other.server.registry.all()) == 2, what="heartbeats seen")
         with pytest.raises(grpc.RpcError) as err:
             list(gen_grpc.GenerationServiceStub(ch).GenerateStream(ids_request(prompt(8, 64)), timeout=T))
@@ -170,7 +173,7 @@ def test_no_routable_replica_is_unavailable_with_the_reason(redis_server, defaul
 
 
 def test_picker_down_is_an_error_and_nothing_goes_upstream(replicas, tmp_path):
-    with EnvoyFront(f"127.0.0.1:{free_port()}", folder=tmp_path) as front, grpc.insecure_channel(front.target) as ch:
+    with EnvoyFront(f"127.0.0.1:{free_port()}", picker_target=f"127.0.0.1:{free_port()}", folder=tmp_path) as front, grpc.insecure_channel(front.target) as ch:
         with pytest.raises(grpc.RpcError) as err:
             list(gen_grpc.GenerationServiceStub(ch).GenerateStream(ids_request(prompt(3, 40)), timeout=T))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # status_on_error 503, not a replica's answer
@@ -229,3 +232,62 @@ def test_thirty_concurrent_requests_sharing_a_prefix_land_on_one_replica_counted
     assert peak >= 30  # counted in flight at the pick: more than the replicas run at once (8)
     wait_for(lambda: released(router), what="every stream's load released (cancels and errors included)")
     wait_for(lambda: all_idle(replicas), what="replicas idle")
+
+
+def test_unsampled_calls_get_the_pick_in_their_trailers_and_skip_the_picker(via_envoy, router, metric_reader,
+                                                                             tmp_path):
+    """trailers_percent 0: the response trailers never reach the picker (no prediction recorded), yet
+    Envoy adds the pick from the picker's metadata, and the load is released when the stream ends."""
+    ids = prompt(20, 4 * B + 3)
+    list(via_envoy.GenerateStream(ids_request(ids), timeout=T))  # the prefix is cached somewhere now
+    wait_for(lambda: released(router), what="the first call's load released")
+
+    def recorded():
+        return sum(p.value for p in metric_points(metric_reader, "kvroute.router.prediction.cached_tokens"))
+
+    before = recorded()
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path, trailers_percent=0) as front, \
+            grpc.insecure_channel(front.target) as ch:
+        call = gen_grpc.GenerationServiceStub(ch).GenerateStream(ids_request(ids), timeout=T)
+        last = list(call)[-1]
+        trailers = dict(call.trailing_metadata())
+        sent = front.stats("http.kvroute.ext_proc.stream_msgs_sent")["http.kvroute.ext_proc.stream_msgs_sent"]
+    assert sent == 1  # the body: no trailers message
+    assert last.usage.cached_tokens == 4 * B
+    assert trailers["x-kvroute-cached-tokens"] == str(4 * B)  # the replica's own
+    assert trailers["x-kvroute-predicted-cached-tokens"] == str(4 * B)  # Envoy's, from the picker's metadata
+    assert trailers["x-kvroute-replica"] in ("rep-a", "rep-b")
+    wait_for(lambda: released(router), what="the unsampled call's load released with its stream")
+    assert recorded() == before
+
+
+def test_past_its_stream_limit_the_picker_refuses_at_once(redis_server, default_model_dir, replicas, tmp_path):
+    """picker_streams 1: a second call while one is in flight is UNAVAILABLE at once (no queue, no
+    hang), and goes through once the first ended."""
+    import time
+
+    with BackgroundRouter(router_settings(redis_server, default_model_dir, picker_streams=1)) as one, \
+            EnvoyFront(one.target, picker_target=one.picker_target, folder=tmp_path) as front, \
+            grpc.insecure_channel(front.target) as ch:
+        gen = gen_grpc.GenerationServiceStub(ch)
+        wait_for(lambda: len(one.server.registry.routable()) == 2, what="replicas routable")
+        held = started_stream(gen, ids_request(prompt(21, 40), GREEDY_LONG), 1, timeout=T)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(gen.GenerateStream(ids_request(prompt(22, 40)), timeout=T))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 1.5  # refused, not queued until the picker's 2 s message timeout
+        held.cancel()
+        wait_for(lambda: not one.server.load.local(), what="the held call released")
+        assert len(list(gen.GenerateStream(ids_request(prompt(23, 40)), timeout=T))) > 1
+
+
+def test_a_sampled_share_of_the_calls_sends_its_trailers_to_the_picker(router, tmp_path):
+    n = 40
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path, trailers_percent=50) as front, \
+            grpc.insecure_channel(front.target) as ch:
+        gen = gen_grpc.GenerationServiceStub(ch)
+        for i in range(n):
+            list(gen.GenerateStream(ids_request(prompt(100 + i, 20), gen_pb.SamplingParams(max_tokens=1)), timeout=T))
+        sent = front.stats("http.kvroute.ext_proc.stream_msgs_sent")["http.kvroute.ext_proc.stream_msgs_sent"]
+    assert 5 < sent - n < n - 5  # one body each, and the trailers of about half (Binomial(40, 0.5))

@@ -38,6 +38,14 @@ def test_destination_sets_the_same_value_in_the_header_and_the_envoy_lb_metadata
     assert protocol.destination(["10.0.0.1:8000"], on_headers=True).HasField("request_headers")
 
 
+def test_destination_carries_the_routing_trailers_in_their_own_namespace():
+    resp = protocol.destination(["10.0.0.1:8000"], routing={"x-kvroute-replica": "r1"})
+    md = resp.dynamic_metadata.fields
+    assert set(md) == {"envoy.lb", "kvroute.routing"}
+    assert md["kvroute.routing"].struct_value.fields["x-kvroute-replica"].string_value == "r1"
+    assert set(protocol.destination(["10.0.0.1:8000"]).dynamic_metadata.fields) == {"envoy.lb"}
+
+
 def test_immediate_response_for_grpc_carries_the_status_and_message():
     resp = protocol.immediate(503, grpc.StatusCode.UNAVAILABLE, "no replica is routable").immediate_response
     assert resp.status.code == 503

@@ -343,6 +343,9 @@ stays on 127.0.0.1). */}}
 {{- $router := index $sr "clusters" 0 "load_assignment" "endpoints" 0 "lb_endpoints" 0 "endpoint" "address" "socket_address" }}
 {{- $_ = set $router "address" (printf "%s.%s.svc" (include "kvroute.router.name" .) .Release.Namespace) }}
 {{- $_ = set $router "port_value" (int .Values.router.service.port) }}
+{{- $picker := index $sr "clusters" 2 "load_assignment" "endpoints" 0 "lb_endpoints" 0 "endpoint" "address" "socket_address" }}
+{{- $_ = set $picker "address" (printf "%s.%s.svc" (include "kvroute.router.name" .) .Release.Namespace) }}
+{{- $_ = set $picker "port_value" (int .Values.router.picker.port) }}
 {{- $ready := dict "name" "ready" "address" (dict "socket_address" (dict "address" "0.0.0.0" "port_value" (int $e.readyPort))) }}
 {{- $readyRoute := dict "match" (dict "path" "/ready") "route" (dict "cluster" "envoy_admin") }}
 {{- $readyHcm := dict "@type" "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager" "stat_prefix" "ready" "route_config" (dict "name" "ready" "virtual_hosts" (list (dict "name" "ready" "domains" (list "*") "routes" (list $readyRoute)))) "http_filters" (list (dict "name" "envoy.filters.http.router" "typed_config" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"))) }}
