@@ -38,14 +38,15 @@ number is about the replica's waiting queue. So each uncached token weighs
 before, while on an overloaded one, where every replica's queue is long, a difference between
 the queues no longer outweighs the prefix a replica holds (trading the prefix for a shorter queue
 there just adds work that everyone behind waits for).
+
 Why the KV footprint term: a request holds its prompt's blocks (cached ones included) on the
 replica while it runs, and ``kv_usage`` (the share of the replica's blocks running requests hold,
 vLLM's ``kv_cache_usage_perc``) is about how likely each of those blocks is to push a cached
 block of another request out (or, at full usage, a running request into preemption). So the term
 charges the prompt's whole footprint, at the pool's prefill rate, in proportion to the usage:
 what the eviction would cost to recompute. Without it, at 64 simulated replicas with small caches,
-conversations returning to the replica that holds them piled up there (its usage at 100%,
-hundreds of preemptions, the cluster's hit rate falling to 85% of the pooled oracle's). Unlike a
+conversations returning to the replica that holds them piled up there (its usage at 100%, its
+running requests preempted, the cluster's hit rate well under the pooled oracle's: README). Unlike a
 fixed number of seconds per unit of usage (``kv_usage_weight``, off by default), it scales with the
 prompt: a short prompt is not moved off the replica holding its prefix because that replica was
 busy at its last heartbeat.

@@ -78,11 +78,7 @@ class SpeculativeEntries:
         self._held.discard(credit)
         holds = self._holds[credit.bit]
         for h in credit.hashes:
-            n = holds[h] - 1
-            if n:
-                holds[h] = n
-            else:
-                del holds[h]
+            _unhold(holds, h)
         credit.until = self._start_ttl(credit.bit, credit.hashes)  # the clock only goes forward: the latest end
 
     def withdraw(self, credit: SpeculativeCredit) -> None:
@@ -99,11 +95,8 @@ class SpeculativeEntries:
             self._held.discard(credit)
             now = self._clock()
             for h in credit.hashes:
-                n = holds[h] - 1
-                if n:
-                    holds[h] = n
+                if not _unhold(holds, h):
                     continue
-                del holds[h]
                 ends = until.get(h)
                 if ends is None or ends <= now:  # no TTL left: the hold was all that kept it
                     if ends is not None:
@@ -142,14 +135,8 @@ class SpeculativeEntries:
         for credit in [c for c in self._held if c.bit == bit]:
             credit.live = False
             self._held.discard(credit)
-        keep = ~bit
-        mask = self.mask
-        for h in [h for h, v in mask.items() if v & bit]:
-            v = mask[h] & keep
-            if v:
-                mask[h] = v
-            else:
-                del mask[h]
+        for h in [h for h, v in self.mask.items() if v & bit]:
+            self._drop(h, bit)
 
     def _start_ttl(self, bit: int, hashes: Sequence[int]) -> float:
         """Set the TTL of (``hashes``, ``bit``) to end ``ttl`` from now; returns the end."""
@@ -169,3 +156,13 @@ class SpeculativeEntries:
             mask[h] = v
         else:
             mask.pop(h, None)
+
+
+def _unhold(holds: dict[int, int], h: int) -> bool:
+    """One hold of ``h`` fewer; True when it was the last (the entry is then held no more)."""
+    n = holds[h] - 1
+    if n:
+        holds[h] = n
+        return False
+    del holds[h]
+    return True
