@@ -74,7 +74,10 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
             cmd_proc = subprocess.Popen(argv, preexec_fn=pdeathsig_preexec())
         while True:
             if cmd_proc is not None and cmd_proc.poll() is not None:
-                rc = cmd_proc.returncode
+                rc = exit_status(cmd_proc.returncode)
+                if cmd_proc.returncode < 0:
+                    log(f"kvroute up: the command was killed by {signal.Signals(-cmd_proc.returncode).name}",
+                        flush=True)
                 break
             dead = cluster.first_death()
             if dead is not None:
@@ -109,5 +112,13 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
     return rc
 
 
+def exit_status(returncode: int) -> int:
+    """The shell's exit status for a child's ``subprocess`` return code.
 
-__all__ = ["substitute", "up_main"]
+    A child killed by signal N has return code -N; a shell reports it as 128 + N (POSIX sh, "Exit
+    Status"), and so does ``kvroute up`` (``sys.exit(-6)`` would read as 250).
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+__all__ = ["exit_status", "substitute", "up_main"]

@@ -198,9 +198,12 @@ def test_up_stops_what_it_started_when_a_replica_cannot_start(tmp_path):
 
 
 def test_up_runs_a_command_against_the_ready_cluster_and_exits_with_its_status(tmp_path, default_model_dir):
+    # The channel is closed before exit: a channel left to interpreter teardown can abort in gRPC's
+    # poller ("epoll_wait error: Bad file descriptor"), which read as status 250 once.
     check = ("import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as hg; "
-             "s = hg.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service='readiness'), "
-             "timeout=5).status; sys.exit(7 if s == h.HealthCheckResponse.SERVING else 1)")
+             "ch = grpc.insecure_channel(sys.argv[1]); "
+             "s = hg.HealthStub(ch).Check(h.HealthCheckRequest(service='readiness'), timeout=5).status; "
+             "ch.close(); sys.exit(7 if s == h.HealthCheckResponse.SERVING else 1)")
     proc = subprocess.run(
         [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--num-blocks", "256", "--model",
          str(default_model_dir), "--log-dir", str(tmp_path), "--", sys.executable, "-c", check, "{target}"],
@@ -209,6 +212,18 @@ def test_up_runs_a_command_against_the_ready_cluster_and_exits_with_its_status(t
     assert proc.returncode == 7, proc.stdout + proc.stderr  # the command saw the router serving
     assert re.search(r"kvroute up: running \S+ -c .* 127\.0\.0\.1:\d+$", proc.stdout, re.M), proc.stdout
     assert "kvroute up: stopped 3 processes" in proc.stdout
+
+
+def test_up_reports_a_command_killed_by_a_signal_as_the_shell_does():
+    from kvroute_tools.up import exit_status
+
+    killed = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"])
+    assert killed.returncode == -signal.SIGABRT
+    assert exit_status(killed.returncode) == 128 + 6  # what `sh -c` reports for the same child
+    assert subprocess.run(["sh", "-c", f"{sys.executable} -c 'import os, signal; os.kill(os.getpid(), 6)'"]
+                          ).returncode == 134
+    assert exit_status(7) == 7 and exit_status(0) == 0
+
 
 
 def test_up_with_envoy_in_front_generates_through_the_picker(tmp_path, default_model_dir):
