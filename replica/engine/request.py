@@ -39,6 +39,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = -1
+    num_expected_hit_tokens: int = 0  # the scheduler's estimate at arrival (Scheduler.queued_prefill_tokens)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None

@@ -7,7 +7,7 @@ tokens left to compute and gets as many as the budget allows (DESIGN.md §3.2).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from replica.engine.request import Request, RequestStatus
@@ -73,11 +73,27 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Full-block hashes of the prompts waiting for their first admission: blocks that requests
+        # queued ahead will have computed by the time a later one with the same prefix is admitted.
+        self._pending_blocks: Counter[bytes] = Counter()
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a new request, with the prefix hit it can expect (cached blocks, or blocks a
+        request queued ahead of it will compute) for :attr:`queued_prefill_tokens`."""
         request.status = RequestStatus.WAITING
+        hit = self.kv.expected_hit_blocks(request, self._pending_blocks)
+        request.num_expected_hit_tokens = hit * self.kv.block_size
+        self._pending_blocks.update(request.block_hashes)
         self.waiting.append(request)
+
+    def _unpend(self, request: Request) -> None:
+        """The request leaves the waiting queue for the first time (admitted, or finished there)."""
+        if request.num_cached_tokens < 0 and request.status is RequestStatus.WAITING:
+            self._pending_blocks.subtract(request.block_hashes)
+            for block_hash in request.block_hashes:
+                if self._pending_blocks[block_hash] <= 0:
+                    del self._pending_blocks[block_hash]
 
     def finish_request(self, request: Request) -> None:
         """Remove a request from the queues and free its blocks (finished or aborted)."""
@@ -85,6 +101,7 @@ class Scheduler:
             self.running.remove(request)
             self.kv.free(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self._unpend(request)
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
@@ -94,8 +111,11 @@ class Scheduler:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted or waiting but not yet computed (for the router's cost model)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
+        """Prompt tokens admitted or waiting that are still to be computed (for the router's cost
+        model, which compares it with the tokens a new request would add): a waiting request
+        counts what its expected prefix hit (:meth:`add_request`) leaves, as the router counts
+        a request it sent, since queued tokens the cache will serve are no work."""
+        return sum(r.num_tokens - max(r.num_computed_tokens, r.num_expected_hit_tokens) for r in self.waiting) + sum(
             max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.running
         )
 
@@ -104,6 +124,8 @@ class Scheduler:
         victim = self.running.pop()
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
+        # Its full blocks stay cached when freed: what re-admission can expect to hit.
+        victim.num_expected_hit_tokens = victim.num_computed_tokens // self.kv.block_size * self.kv.block_size
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -140,6 +162,7 @@ class Scheduler:
                 n = min(req.num_tokens - hit, budget)
                 if self.kv.allocate_slots(req, n, hit, computed) is None:
                     break
+                self._unpend(req)
                 self.waiting.popleft()
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING

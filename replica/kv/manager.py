@@ -8,7 +8,7 @@ finishes or is preempted.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -195,6 +195,25 @@ class KVCacheManager:
                 )
             )
         return hashes
+
+    def expected_hit_blocks(self, request: KVRequest, pending: Container[bytes] = ()) -> int:
+        """Leading blocks a lookup would serve if the request were admitted now, counting a block
+        that is cached (GPU or CPU tier) or in ``pending`` (to be computed by a request queued
+        ahead of it). At most ``(num_tokens - 1) // block_size``, as :meth:`get_computed_blocks`
+        looks up; no side effects, no validation (an estimate for the load the replica reports).
+        """
+        if not self.enable_caching or request.num_tokens == 0:
+            return 0
+        hashes = self._update_block_hashes(request)
+        cached = self.block_pool.get_cached_block
+        cpu_pool = self.block_pool.cpu_pool
+        n = 0
+        for block_hash in hashes[: (request.num_tokens - 1) // self.block_size]:
+            if not (block_hash in pending or cached(block_hash) is not None
+                    or (cpu_pool is not None and block_hash in cpu_pool)):
+                break
+            n += 1
+        return n
 
     # -- the three verbs -------------------------------------------------------------------------
     def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
