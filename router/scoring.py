@@ -27,9 +27,13 @@ and ``DEFAULT_DECODE_SECONDS_PER_RUNNING``.
 Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
 being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
 (528 tokens), so TTFT alone sends it to R2, and a burst ends up computing its prefix once per
-replica. Charging the prefill a request adds to the cluster (weight 10 by default) keeps the burst
+replica. Charging the prefill a request adds to the cluster (weight 30 by default) keeps the burst
 on the replica that already holds or is computing the prefix, until its queue outgrows the work
-saved, which is also when the cached replica really is the slower choice.
+saved, which is also when the cached replica really is the slower choice. The weight is high
+because a move is cheap in seconds exactly where the replicas are fast: on a fast replica a few
+hundred recomputed tokens cost milliseconds, less than the queue difference of a moment, and a
+lower weight traded the prefix for it on every such difference (the cluster's hit rate fell
+with no gain in TTFT; README, "Simulating a cluster").
 
 Why the backlog term: on a replica with a backlog, the prefill a request adds delays not only
 itself but every request that arrives there before the backlog clears; by Little's law their
@@ -78,9 +82,9 @@ class ScoringWeights:
 
     prefill_tokens_per_s: float | None = None  # a replica's prefill throughput, tokens/s: overrides the measured
     decode_seconds_per_running: float | None = None  # TTFT added per running sequence (decode interference), s
-    # 10 and 2: chosen on `kvroute simulate` (8-64 modelled H100 replicas), checked on `make run`
+    # 30 and 2: chosen on `kvroute simulate` (8-64 modelled H100 replicas), checked on `make run`
     # (4 CPU replicas on 2 cores) and the peers' workload, one default for all (README, "Simulating a cluster").
-    prefill_work_weight: float = 10.0  # weight of the prefill work this request adds to the cluster
+    prefill_work_weight: float = 30.0  # weight of the prefill work this request adds to the cluster
     backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
     kv_footprint_weight: float = 2.0  # weight of the prompt's prefill seconds, charged x the KV usage
