@@ -1,6 +1,7 @@
 """The trace made concrete: each Mooncake trace request as the prompt, output length and send time
 the bench uses (prompts from kvroute_tools.trace's TraceTokenizer: equal hash ids, equal prefixes),
-and the hit-rate bounds the table shows next to the measured rates."""
+the hit-rate bounds the table shows next to the measured rates, and what the routing cost against
+them."""
 
 from __future__ import annotations
 
@@ -64,4 +65,48 @@ def hit_bounds(trace: Sequence[TraceRequest], replicas: int, *, tokens_per_block
     return {"prompt_tokens": rates.prompt_tokens, "ideal": rates.ideal, "round_robin": rates.round_robin}
 
 
-__all__ = ["PlannedRequest", "hit_bounds", "plan_requests"]
+def _leading(keys: Sequence[int], held: set[int]) -> int:
+    n = 0
+    while n < len(keys) and keys[n] in held:
+        n += 1
+    return n
+
+
+def routed_past(prompts: Sequence[Sequence[int]], picks: Sequence[str], block_size: int) -> tuple[int, int]:
+    """``(requests, tokens)`` that routing gave up, against unlimited caches.
+
+    ``prompts[i]`` was sent to replica ``picks[i]`` (token ids, in the order sent; a request that
+    failed has pick ""), and every replica is taken to keep every block it computed. A request
+    counts when another replica held a longer prefix of it than the one it went to; its tokens
+    count the difference, under the engine's lookup rule (whole blocks of ``block_size``, at most
+    ``(len - 1) // block_size`` of them). So on a run where nothing is evicted, ideal hit rate -
+    measured hit rate = routing's share (these tokens / prompt tokens) + the replicas' own (a
+    prefix still being computed when a request that shares it is admitted, say).
+
+    Raises:
+        ValueError: ``block_size`` < 1, or ``prompts`` and ``picks`` of different lengths.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
+    if len(prompts) != len(picks):
+        raise ValueError(f"picks: {len(picks)} for {len(prompts)} prompts")
+    held: dict[str, set[int]] = {}
+    requests = tokens = 0
+    for ids, pick in zip(prompts, picks, strict=True):
+        if not pick:
+            continue
+        keys, key = [], 0
+        for start in range(0, len(ids) // block_size * block_size, block_size):
+            key = hash((key, tuple(ids[start:start + block_size])))  # the block and all before it
+            keys.append(key)
+        lookable = keys[: max(len(ids) - 1, 0) // block_size]
+        mine = held.setdefault(pick, set())
+        have = {rid: _leading(lookable, blocks) for rid, blocks in held.items()}
+        if max(have.values()) > have[pick]:
+            requests += 1
+            tokens += (max(have.values()) - have[pick]) * block_size
+        mine.update(keys)
+    return requests, tokens
+
+
+__all__ = ["PlannedRequest", "hit_bounds", "plan_requests", "routed_past"]

@@ -50,6 +50,7 @@ class PolicyResult:
     prefix_cache_queries: int | None
     prefix_cache_hits: int | None
     preemptions: int | None
+    routed_past: tuple[int, int] = (0, 0)  # bench.plan.routed_past: (requests, tokens)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -94,6 +95,7 @@ class PolicyResult:
             "prompt_tokens": sum(r.prompt_tokens for r in self.ok),
             "completion_tokens": sum(r.completion_tokens for r in self.ok),
             "wall_s": self.wall_s,
+            "routed_past_a_longer_prefix": {"requests": self.routed_past[0], "tokens": self.routed_past[1]},
             "error_samples": sorted({r.error for r in self.results if r.error})[:5],
         }
 
@@ -146,6 +148,11 @@ def format_report(report: BenchReport) -> str:
     sources = {p.hit_rate_source for p in report.policies}
     lines.append(f"hit rate = prefix-cache hit tokens / queried tokens ({', '.join(sorted(sources))}); "
                  f"replicas: {', '.join(ids)}")
+    for p in report.policies:
+        n, tokens = p.routed_past
+        if n:
+            lines.append(f"{p.policy}: {n} requests went past a longer prefix another replica held "
+                         f"({tokens / max(report.prompt_tokens, 1):.4f} of the prompt tokens, against infinite caches)")
     by_name = {p.policy: p for p in report.policies}
     if "kvroute" in by_name and "round_robin" in by_name:
         k, r = by_name["kvroute"], by_name["round_robin"]

@@ -51,7 +51,7 @@ from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
 from kvroute_tools.bench.config import BenchConfig
 from kvroute_tools.bench.openai_send import OpenAISender
-from kvroute_tools.bench.plan import PlannedRequest, hit_bounds, plan_requests
+from kvroute_tools.bench.plan import PlannedRequest, hit_bounds, plan_requests, routed_past
 from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report, write_outputs
 from kvroute_tools.client import describe_rpc_error
 from kvroute_tools.trace import TraceTokenizer, load_mooncake
@@ -331,6 +331,9 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
                     log(f"warning: could not restore the router's policy {original_policy!r}: "
                         f"{describe_rpc_error(e, cfg.target)}")
         report.policies = [run.result() for run in runs]
+        for p in report.policies:
+            p.routed_past = routed_past([planned[r.index].token_ids for r in p.results],
+                                        ["" if r.error else r.replica_id for r in p.results], info.block_size)
         return report
     finally:
         await cluster.close()

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvroute_tools.bench.config import BenchConfig
-from kvroute_tools.bench.plan import hit_bounds, plan_requests
+from kvroute_tools.bench.plan import hit_bounds, plan_requests, routed_past
 from kvroute_tools.bench.report import BenchReport, PolicyResult, RequestResult, format_report
 from kvroute_tools.client import describe_rpc_error
 from kvroute_tools.cluster import ClusterConfig, LocalCluster
@@ -101,6 +101,26 @@ def test_report_is_one_table_with_a_row_per_policy_and_the_bounds():
     assert "error (kvroute): UNAVAILABLE: gone" in text
     summary = report.to_json()["policies"][0]
     assert summary["hit_rate_source"] == "replica counters" and summary["errors"] == 1
+    assert "went past a longer prefix" not in text
+    report.policies[0].routed_past = (3, 50)
+    assert "kvroute: 3 requests went past a longer prefix another replica held (0.1000 of the prompt tokens" \
+        in format_report(report)
+    assert report.to_json()["policies"][0]["routed_past_a_longer_prefix"] == {"requests": 3, "tokens": 50}
+
+
+def test_routed_past_counts_the_prefix_another_replica_held_under_the_lookup_rule():
+    a = list(range(1, 13))  # 3 blocks of 4; a lookup reaches (12 - 1) // 4 = 2 of them
+    b = a[:8] + [90] * 4
+    e = a[:8] + [91] * 4 + [92] * 4
+    prompts = [a, b, a, b, b, e]
+    picks = ["r0", "r1", "r0", "r0", "", "r2"]
+    # b on r1: r0 held a's 2 leading blocks, r1 nothing -> 8 tokens; a again on r0: its own 2 (the
+    # lookup's cap), no loss; b on r0: r0 holds b's 2 leading blocks too (a's), equal to r1's; the
+    # failed request is skipped and holds nothing; e on the new r2: 2 blocks held elsewhere -> 8.
+    assert routed_past(prompts, picks, 4) == (2, 16)
+    assert routed_past(prompts, ["r0"] * 6, 4) == (0, 0)
+    with pytest.raises(ValueError, match="picks"):
+        routed_past(prompts, picks[:2], 4)
 
 
 def test_hit_rate_falls_back_to_response_usage_without_replica_counters():
