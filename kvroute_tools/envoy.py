@@ -24,8 +24,8 @@ per call otherwise. The pick reaches every client's trailers all the same (``x-k
 ``kvroute.routing`` metadata. The ext_proc stream stays open until the HTTP stream ends either way
 (the picker counts the call in flight until then). ``failure_mode_allow`` is off: with the picker
 down, or at its stream limit, the client gets UNAVAILABLE, never a replica nobody picked.
-Timeouts: the client's ``grpc-timeout`` is the route's (no cap), connect 2 s, the picker's answers
-2 s each. Retries only before the first byte (Envoy never retries once response headers went
+Timeouts: the client's ``grpc-timeout`` goes to the replica, which enforces it (Envoy does not
+time the stream), connect 2 s, the picker's answers 2 s each. Retries only before the first byte (Envoy never retries once response headers went
 downstream), and only failures that cannot have reached the engine: connect failure, refused
 stream, reset before the request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
 """
@@ -143,8 +143,11 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
     buffer = {"name": "envoy.filters.http.buffer", "typed_config": {"@type": _BUFFER, "max_request_bytes": MAX_REQUEST_BYTES}}
     to_replica = {
         "cluster": "kvroute_replicas",
-        "timeout": "0s",  # streams last as long as the generation; the client's deadline bounds them
-        "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+        # Streams last as long as the generation. The client's deadline bounds them, enforced by the
+        # client and by the replica (its grpc-timeout goes upstream as sent), not by Envoy: Envoy's
+        # own timer, once the response has started, resets the stream, and a client whose timer had
+        # not fired yet read INTERNAL ("RST_STREAM") instead of DEADLINE_EXCEEDED.
+        "timeout": "0s",
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 1},
     }
     to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
