@@ -4,6 +4,11 @@ or will be by a request queued ahead of it, counts only the rest. Hand-worked wi
 
 from __future__ import annotations
 
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from replica.engine.params import SamplingParams
 from replica.engine.request import Request
 from replica.engine.scheduler import Scheduler
@@ -54,3 +59,34 @@ def test_the_pending_blocks_leave_with_the_request_that_would_compute_them():
     sched.add_request(e)
     assert e.num_expected_hit_tokens == 8 and sched.queued_prefill_tokens == 3
     assert not sched._pending_blocks.keys() - set(e.block_hashes)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "finish"]), st.integers(0, 5),
+                          st.integers(1, 14)), max_size=80))
+def test_pending_blocks_are_exactly_those_of_the_prompts_not_yet_admitted(ops):
+    """Whatever the order of arrivals, steps (with preemption: a small pool) and finishes, the
+    pending blocks are the multiset of the full-block hashes of the waiting prompts never admitted,
+    and the queued work never counts a prompt's tokens twice or below zero."""
+    sched = Scheduler(KVCacheManager(num_blocks=7, block_size=B), max_num_batched_tokens=12, max_num_seqs=4)
+    live: list[Request] = []
+    for n, (op, which, length) in enumerate(ops):
+        if op == "add":
+            # prompts drawn from a few shared prefixes, so pending blocks overlap
+            req = _req(f"r{n}", [100 + which % 2] * 4 + list(range(200, 200 + length)))
+            sched.add_request(req)
+            live.append(req)
+        elif op == "step":
+            out = sched.schedule()
+            for s in out.scheduled:  # what the engine does after the step: a sampled token
+                if s.samples:
+                    s.request.append_output_token(7)
+        elif live:
+            req = live.pop(which % len(live))
+            sched.finish_request(req)
+        expected: Counter[bytes] = Counter()
+        for r in sched.waiting:
+            if r.num_cached_tokens < 0:
+                expected.update(r.block_hashes)
+        assert +sched._pending_blocks == expected
+        assert 0 <= sched.queued_prefill_tokens <= sum(r.num_tokens for r in [*sched.waiting, *sched.running])
