@@ -76,6 +76,8 @@ class RedisEventPublisher(EventPublisher):
         address: where this replica serves gRPC (``host:port``), for the heartbeat.
         epoch: default ``time.time_ns()`` when the publisher is made (one publisher per replica start).
         heartbeat_interval: seconds between heartbeats; the key lives 3 intervals.
+        heartbeat_ttl: seconds the heartbeat key lives instead (None: 3 intervals), at least one
+            interval: how long a replica that stopped heartbeating stays routable.
         snapshot_interval: seconds between periodic snapshots.
         buffer_size: event batches held while Redis is slow or down; more are dropped.
         stream_maxlen: approximate MAXLEN of the event stream.
@@ -83,7 +85,7 @@ class RedisEventPublisher(EventPublisher):
         max_waiting: the replica's waiting-queue bound, for the heartbeat (0: not said).
 
     Raises:
-        ValueError: a non-positive interval / size.
+        ValueError: a non-positive interval / size, or a TTL shorter than the interval.
     """
 
     def __init__(
@@ -101,9 +103,12 @@ class RedisEventPublisher(EventPublisher):
         stream_maxlen: int = 100000,
         auth: RedisAuth | None = None,
         max_waiting: int = 0,
+        heartbeat_ttl: float | None = None,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
+        if heartbeat_ttl is not None and not heartbeat_ttl >= heartbeat_interval:
+            raise ValueError(f"heartbeat_ttl: must be >= heartbeat_interval ({heartbeat_interval}), got {heartbeat_ttl}")
         if buffer_size < 1 or stream_maxlen < 1:
             raise ValueError("buffer_size, stream_maxlen: must be >= 1")
         self.redis_url = redis_url
@@ -123,7 +128,8 @@ class RedisEventPublisher(EventPublisher):
         self._hb_key = layout.heartbeat_key(replica_id)
         self._snapshot_key = layout.snapshot_key(replica_id)
         # Rounded first: 3 * 0.2 * 1000 is 600.0000000000001, which would ceil to 601.
-        self._ttl_ms = math.ceil(round(3 * heartbeat_interval * 1000, 3))
+        ttl_s = 3 * heartbeat_interval if heartbeat_ttl is None else heartbeat_ttl
+        self._ttl_ms = math.ceil(round(ttl_s * 1000, 3))
 
         # Engine thread state.
         self.last_seq = 0

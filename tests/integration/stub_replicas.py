@@ -91,7 +91,10 @@ class StubReplica(BackgroundServer):
         info = EngineInfo(model="stub", vocab_size=32000, max_model_len=4096, block_size=block_size, num_blocks=1000,
                           hash_algorithm=algorithm, hash_seed_digest=digest)
         self.publisher = RedisEventPublisher(redis_url, RedisLayout(), replica_id, info, self.target,
-                                             heartbeat_interval=0.1, max_waiting=max_waiting)
+                                             heartbeat_interval=0.1, max_waiting=max_waiting,
+                                             # loads change within 0.1 s; a stall of the test process
+                                             # (GC, a busy machine) must not expire a stub (it did at 0.3 s)
+                                             heartbeat_ttl=5.0)
         self.publisher.start()
         self._held: list[int] = []
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 
+import pytest
 import redis
 
 from kvroute.engine_info import EngineInfo
@@ -119,6 +120,21 @@ def test_heartbeat_has_every_field_and_a_ttl_and_expires_after_close(server, lay
         pub.close()
     assert r.pttl(key) > 0, "close() leaves the key to its TTL"
     wait_for(lambda: not r.exists(key), timeout=1.5, what="the heartbeat to expire")
+
+
+def test_a_heartbeat_ttl_given_outlives_three_intervals_and_one_shorter_than_an_interval_is_refused(server, layout):
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    key = layout.heartbeat_key(REPLICA)
+    pub = make_publisher(server, layout, heartbeat_interval=0.2, heartbeat_ttl=4.0)
+    pub.start()
+    try:
+        wait_for(lambda: r.exists(key), what="the first heartbeat")
+        assert 600 < r.pttl(key) <= 4000
+    finally:
+        pub.close()
+        r.delete(key)
+    with pytest.raises(ValueError, match="heartbeat_ttl: must be >= heartbeat_interval"):
+        make_publisher(server, layout, heartbeat_interval=0.2, heartbeat_ttl=0.1)
 
 
 def test_snapshot_request_on_the_channel_gets_a_snapshot_at_the_last_seq(server, layout):
