@@ -25,9 +25,9 @@ per call otherwise. The pick reaches every client's trailers all the same (``x-k
 (the picker counts the call in flight until then). ``failure_mode_allow`` is off: with the picker
 down, or at its stream limit, the client gets UNAVAILABLE, never a replica nobody picked.
 Timeouts: the client's ``grpc-timeout`` goes to the replica, which enforces it (Envoy does not
-time the stream), connect 2 s, the picker's answers 2 s each. Retries only before the first byte (Envoy never retries once response headers went
-downstream), and only failures that cannot have reached the engine: connect failure, refused
-stream, reset before the request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
+time the stream), connect 2 s, the picker's answers 2 s each. Retries only before the first byte
+(Envoy never retries once response headers went downstream), and only failures that cannot have
+reached the engine: connect failure, refused stream, reset before the request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ class TraceTokenizer:
         return toks[: self.prompt_len(req)].tolist()
 
 
-def _leading_seen(hash_ids: Sequence[int], seen: set[int]) -> int:
+def leading_seen(hash_ids: Sequence[int], seen: set[int]) -> int:
+    """How many of ``hash_ids``, from the first, are in ``seen`` (the prefix a cache holds)."""
     k = 0
     for h in hash_ids:
         if h not in seen:
@@ -136,9 +137,9 @@ def hit_rate_bounds(requests: Iterable[TraceRequest], replicas: int, block_token
     total = ideal_hit = rr_hit = 0
     for i, req in enumerate(requests):
         total += req.input_length
-        ideal_hit += min(_leading_seen(req.hash_ids, ideal_seen) * block_tokens, req.input_length)
+        ideal_hit += min(leading_seen(req.hash_ids, ideal_seen) * block_tokens, req.input_length)
         cache = rr_seen[i % replicas]
-        rr_hit += min(_leading_seen(req.hash_ids, cache) * block_tokens, req.input_length)
+        rr_hit += min(leading_seen(req.hash_ids, cache) * block_tokens, req.input_length)
         ideal_seen.update(req.hash_ids)
         cache.update(req.hash_ids)
     return {

@@ -32,8 +32,9 @@ on the replica that already holds or is computing the prefix, until its queue ou
 saved, which is also when the cached replica really is the slower choice. The weight is high
 because a move is cheap in seconds exactly where the replicas are fast: on a fast replica a few
 hundred recomputed tokens cost milliseconds, less than the queue difference of a moment, and a
-lower weight traded the prefix for it on every such difference (the cluster's hit rate fell
-with no gain in TTFT; README, "Simulating a cluster").
+lower weight traded the prefix for it on every such difference (live on two fast replicas the
+cluster's hit rate fell with no gain in TTFT; simulated, the higher weight costs a little TTFT
+mean for more hits: README, "Simulating a cluster").
 
 Why the backlog term: on a replica with a backlog, the prefill a request adds delays not only
 itself but every request that arrives there before the backlog clears; by Little's law their

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvroute_tools.simulate.oracles import oracle_rates
-from kvroute_tools.trace import TraceRequest, TraceTokenizer, hit_rate_bounds
+from kvroute_tools.trace import TraceRequest, TraceTokenizer, hit_rate_bounds, leading_seen
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,6 @@ def hit_bounds(trace: Sequence[TraceRequest], replicas: int, *, tokens_per_block
     return {"prompt_tokens": rates.prompt_tokens, "ideal": rates.ideal, "round_robin": rates.round_robin}
 
 
-def _leading(keys: Sequence[int], held: set[int]) -> int:
-    n = 0
-    while n < len(keys) and keys[n] in held:
-        n += 1
-    return n
-
-
 def routed_past(prompts: Sequence[Sequence[int]], picks: Sequence[str], block_size: int) -> tuple[int, int]:
     """``(requests, tokens)`` that routing gave up, against unlimited caches.
 
@@ -101,10 +94,10 @@ def routed_past(prompts: Sequence[Sequence[int]], picks: Sequence[str], block_si
             keys.append(key)
         lookable = keys[: max(len(ids) - 1, 0) // block_size]
         mine = held.setdefault(pick, set())
-        have = {rid: _leading(lookable, blocks) for rid, blocks in held.items()}
-        if max(have.values()) > have[pick]:
+        lost = max(leading_seen(lookable, blocks) for blocks in held.values()) - leading_seen(lookable, mine)
+        if lost > 0:
             requests += 1
-            tokens += (max(have.values()) - have[pick]) * block_size
+            tokens += lost * block_size
         mine.update(keys)
     return requests, tokens
 

@@ -197,23 +197,37 @@ class KVCacheManager:
         return hashes
 
     def expected_hit_blocks(self, request: KVRequest, pending: Container[bytes] = ()) -> int:
-        """Leading blocks a lookup would serve if the request were admitted now, counting a block
-        that is cached (GPU or CPU tier) or in ``pending`` (to be computed by a request queued
-        ahead of it). At most ``(num_tokens - 1) // block_size``, as :meth:`get_computed_blocks`
-        looks up; no side effects, no validation (an estimate for the load the replica reports).
+        """Leading blocks a lookup would serve if the request were admitted now: the cached prefix
+        :meth:`get_computed_blocks` would find, extended by blocks in ``pending`` (to be computed by
+        a request queued ahead of it), within the same cap. No side effects, no validation (an
+        estimate for the load the replica reports).
         """
         if not self.enable_caching or request.num_tokens == 0:
             return 0
-        hashes = self._update_block_hashes(request)
-        cached = self.block_pool.get_cached_block
-        cpu_pool = self.block_pool.cpu_pool
-        n = 0
-        for block_hash in hashes[: (request.num_tokens - 1) // self.block_size]:
-            if not (block_hash in pending or cached(block_hash) is not None
-                    or (cpu_pool is not None and block_hash in cpu_pool)):
-                break
+        blocks, cpu = self._cached_prefix(request)
+        n, hashes = len(blocks) + len(cpu), request.block_hashes
+        max_hit = (request.num_tokens - 1) // self.block_size
+        while n < max_hit and hashes[n] in pending:
             n += 1
         return n
+
+    def _cached_prefix(self, request: KVRequest) -> tuple[list[KVCacheBlock], list[bytes]]:
+        """The lookup rule (:meth:`get_computed_blocks`): the leading GPU blocks, then CPU-tier
+        hashes, of at most ``(num_tokens - 1) // block_size`` blocks, stopping at the first miss."""
+        hashes = self._update_block_hashes(request)
+        max_hit = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        cpu: list[bytes] = []
+        cpu_pool = self.block_pool.cpu_pool
+        for block_hash in hashes[:max_hit]:
+            block = None if cpu else self.block_pool.get_cached_block(block_hash)
+            if block is not None:
+                blocks.append(block)
+            elif cpu_pool is not None and block_hash in cpu_pool:
+                cpu.append(block_hash)
+            else:
+                break
+        return blocks, cpu
 
     # -- the three verbs -------------------------------------------------------------------------
     def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
@@ -233,19 +247,7 @@ class KVCacheManager:
         checked = (request.request_id, request.num_tokens)
         if not self.enable_caching or request.num_tokens == 0:
             return ComputedBlocks([], [], self.block_size, *checked)
-        hashes = self._update_block_hashes(request)
-        max_hit = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        cpu: list[bytes] = []
-        cpu_pool = self.block_pool.cpu_pool
-        for block_hash in hashes[:max_hit]:
-            block = None if cpu else self.block_pool.get_cached_block(block_hash)
-            if block is not None:
-                blocks.append(block)
-            elif cpu_pool is not None and block_hash in cpu_pool:
-                cpu.append(block_hash)
-            else:
-                break
+        blocks, cpu = self._cached_prefix(request)
         return ComputedBlocks(blocks, cpu, self.block_size, *checked)
 
     def allocate_slots(
