@@ -131,7 +131,7 @@ def _make_publisher(
     s = settings
     return make_publisher(
         s.redis_url, RedisLayout(s.namespace, s.event_shards), replica_id, engine.info(model_name), address,
-        heartbeat_interval=s.heartbeat_interval, snapshot_interval=s.snapshot_interval,
+        heartbeat_interval=s.heartbeat_interval, heartbeat_ttl=s.heartbeat_ttl or None, snapshot_interval=s.snapshot_interval,
         buffer_size=s.event_buffer, stream_maxlen=s.stream_maxlen, max_waiting=s.max_waiting,
         auth=RedisAuth.from_settings(s),
     )

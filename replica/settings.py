@@ -33,7 +33,11 @@ class ReplicaSettings:
     redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
-    heartbeat_interval: float = setting(1.0, "seconds between heartbeats (TTL = 3 heartbeats)")
+    heartbeat_interval: float = setting(1.0, "seconds between heartbeats")
+    heartbeat_ttl: float = setting(
+        0.0, "seconds the heartbeat key lives, at least one interval (0 = 3 heartbeats): how long routers keep a"
+        " replica that stopped heartbeating"
+    )
     snapshot_interval: float = setting(30.0, "seconds between periodic cache snapshots")
     event_buffer: int = setting(10000, "event batches buffered while Redis is slow or down")
     stream_maxlen: int = setting(100000, "approximate MAXLEN of the event stream")

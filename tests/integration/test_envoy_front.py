@@ -51,7 +51,7 @@ def replicas(redis_server, default_model_dir):
     def settings(rid: str) -> ReplicaSettings:
         return ReplicaSettings(host="127.0.0.1", port=0, model=str(default_model_dir), replica_id=rid,
                                redis_url=redis_server.url, num_blocks=128, torch_threads=1, heartbeat_interval=0.2,
-                               max_num_seqs=4)
+                               heartbeat_ttl=5.0, max_num_seqs=4)  # a stalled test process is no dead replica
 
     with BackgroundReplica(settings("rep-a")) as a, BackgroundReplica(settings("rep-b")) as b:
         yield {"rep-a": a, "rep-b": b}

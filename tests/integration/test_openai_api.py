@@ -54,7 +54,7 @@ def replica(redis_server, default_model_dir):
     telemetry = setup_telemetry("kvroute-replica-openai-test", 0, otlp=False)  # a Prometheus registry
     with BackgroundReplica(ReplicaSettings(
         replica_id="rep-http", host="127.0.0.1", port=0, http_port=0, model=str(default_model_dir),
-        redis_url=redis_server.url, num_blocks=128, torch_threads=1, heartbeat_interval=0.2, max_num_seqs=4,
+        redis_url=redis_server.url, num_blocks=128, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=4,
         max_waiting=6, engine_process=False,
     ), telemetry=telemetry) as r:
         yield r

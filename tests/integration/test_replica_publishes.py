@@ -29,7 +29,7 @@ def cluster(tmp_path_factory):
         settings = ReplicaSettings(
             host="127.0.0.1", port=0, model_cache_dir=str(tmp_path_factory.mktemp("models")), num_blocks=64,
             torch_threads=1, replica_id="pub-replica", redis_url=rs.url, namespace="svc", heartbeat_interval=0.2,
-            engine_process=False,  # the tests read the LLMEngine and the publisher in this process
+            heartbeat_ttl=4.0, engine_process=False,  # the tests read the LLMEngine and the publisher in this process
         )
         with BackgroundReplica(settings) as replica:
             channel = grpc.insecure_channel(replica.target)
@@ -58,6 +58,14 @@ def test_heartbeat_carries_the_engine_identity_and_address(cluster):
     assert (beat.vocab_size, beat.max_model_len) == (info.vocab_size, info.max_model_len)  # the model limits
     assert beat.max_model_len == 64 * BLOCK - BLOCK  # the model's 8192, capped by the 64-block KV cache
     assert beat.invalid == ()
+
+
+def test_the_heartbeat_key_lives_the_heartbeat_ttl_setting_not_three_intervals(cluster):
+    _replica, _stub, r = cluster
+    key = RedisLayout("svc").heartbeat_key("pub-replica")
+    wait_for(lambda: r.exists(key))
+    # Refreshed every 0.2 s with a 4 s TTL; the default (3 intervals) would leave at most 600 ms.
+    assert 3000 < r.pttl(key) <= 4000
 
 
 def test_request_blocks_are_published_as_block_stored_after_the_epoch_clear(cluster):
