@@ -4,6 +4,9 @@ alone and with the router as its endpoint picker, and the router process's CPU p
 - ``envoy``: Envoy without the ext_proc filter; the client names the replica itself in
   ``x-gateway-destination-endpoint`` (what Envoy's hop alone costs).
 - ``picker``: Envoy asking the router (ext_proc) for every call, as ``kvroute up --gateway envoy`` runs it.
+- ``floor`` (when ``node`` is on PATH): the same Envoy asking bench/_ext_proc_floor.js, a compiled
+  HTTP/2 server (Node's nghttp2) that answers every call with the same fixed pick, no Python and no
+  routing: what any endpoint picker behind this Envoy costs at least on this machine.
 
 Router CPU: user + system seconds of the router process (``/proc/PID/stat``) over ``n`` streamed
 requests sent through one side at a time, minus what the router burns meanwhile without traffic
@@ -14,22 +17,46 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvroute_tools.envoy import DESTINATION_HEADER, EnvoyFront
+from kvroute_tools.redis_server import free_port
+from router.picker import protocol
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def start_gateways(stack: contextlib.ExitStack, router_target: str, picker_target: str, replica_target: str, tmp: Path
                    ) -> tuple[dict[str, str], dict[str, tuple[tuple[str, str], ...]]]:
-    """Start both Envoys (stopped by ``stack``): ({side: target}, {side: the metadata its calls carry})."""
+    """Start the Envoys (stopped by ``stack``), and the floor's server when ``node`` is on PATH:
+    ({side: target}, {side: the metadata its calls carry})."""
     alone = stack.enter_context(EnvoyFront(router_target, folder=tmp / "envoy-alone"))
     picker = stack.enter_context(EnvoyFront(router_target, picker_target=picker_target, folder=tmp / "envoy-picker"))
-    return ({"envoy": alone.target, "picker": picker.target},
-            {"envoy": ((DESTINATION_HEADER, replica_target),)})
+    targets = {"envoy": alone.target, "picker": picker.target}
+    if (node := shutil.which("node")) is not None:
+        floor_target = start_floor_picker(stack, node, replica_target)
+        # No trailers message: the fixed server answers every message alike, with a body response.
+        targets["floor"] = stack.enter_context(EnvoyFront(router_target, picker_target=floor_target,
+                                                          folder=tmp / "envoy-floor", trailers_percent=0)).target
+    return targets, {"envoy": ((DESTINATION_HEADER, replica_target),)}
+
+
+def start_floor_picker(stack: contextlib.ExitStack, node: str, replica_target: str) -> str:
+    """Start bench/_ext_proc_floor.js answering every call with a pick of ``replica_target`` (the
+    router's own answer for it, ``protocol.destination``); its host:port once it listens."""
+    port = free_port()
+    answer = protocol.destination([replica_target], routing={"x-kvroute-replica": "floor"}).SerializeToString()
+    proc = subprocess.Popen([node, str(Path(__file__).with_name("_ext_proc_floor.js")), str(port), answer.hex()],
+                            stdout=subprocess.PIPE, text=True)
+    stack.callback(proc.wait, 10)
+    stack.callback(proc.terminate)
+    if proc.stdout is None or proc.stdout.readline().strip() != "serving":
+        raise RuntimeError(f"bench/_ext_proc_floor.js did not start (exit status {proc.poll()})")
+    return f"127.0.0.1:{port}"
 
 
 def cpu_seconds(pid: int) -> float:
