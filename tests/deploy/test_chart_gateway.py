@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 
 from kvroute_tools.envoy import bootstrap, envoy_binary
 from kvroute_tools.redis_server import free_port
-from tests.deploy.chart import FULLNAME, NAMESPACE, container, find, notes, pod_spec, render
+from tests.deploy.chart import FULLNAME, NAMESPACE, container, find, helm, notes, pod_spec, render
 from tests.deploy.envoy_chart import BOOTSTRAP_FILE, file_text
 from tests.support import wait_for
 
@@ -175,6 +176,15 @@ def test_the_envoy_deployment_runs_the_bootstrap_non_root_with_probes_on_ready()
     key = "checksum/bootstrap"
     assert other["spec"]["template"]["metadata"]["annotations"][key] != \
         deployment["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_envoy_mode_with_tls_is_refused_at_render_naming_both_values():
+    # The bootstrap speaks plaintext to TLS-only routers and replicas: every call would fail.
+    with pytest.raises(helm.HelmRenderError) as err:
+        render({**ENVOY_MODE, "tls": {"enabled": True, "existingSecret": "kvr-tls"}})
+    assert "gateway.mode: envoy with tls.enabled is not supported" in str(err.value)
+    assert any(d["kind"] == "Deployment" and d["metadata"]["name"] == ENVOY
+               for d in render({**ENVOY_MODE, "tls": {"enabled": False}}))
 
 
 def test_proxy_mode_renders_no_gateway_resources():
