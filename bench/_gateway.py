@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvroute.responses import MD_REPLICA
 from kvroute_tools.envoy import DESTINATION_HEADER, EnvoyFront
 from kvroute_tools.redis_server import free_port
 from router.picker import protocol
@@ -49,7 +50,7 @@ def start_floor_picker(stack: contextlib.ExitStack, node: str, replica_target: s
     """Start bench/_ext_proc_floor.js answering every call with a pick of ``replica_target`` (the
     router's own answer for it, ``protocol.destination``); its host:port once it listens."""
     port = free_port()
-    answer = protocol.destination([replica_target], routing={"x-kvroute-replica": "floor"}).SerializeToString()
+    answer = protocol.destination([replica_target], routing={MD_REPLICA: "floor"}).SerializeToString()
     proc = subprocess.Popen([node, str(Path(__file__).with_name("_ext_proc_floor.js")), str(port), answer.hex()],
                             stdout=subprocess.PIPE, text=True)
     stack.callback(proc.wait, 10)
