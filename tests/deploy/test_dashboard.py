@@ -130,7 +130,7 @@ def scraped(default_model_dir) -> dict[str, list[tuple[dict[str, str], float]]]:
         router_telemetry = setup_telemetry("kvroute-router", 0, otlp=False)
         replica_settings = ReplicaSettings(
             host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="replica-0", redis_url=redis.url,
-            num_blocks=128, torch_threads=1, heartbeat_interval=0.2,
+            num_blocks=128, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0,
         )
         router_settings = RouterSettings(host="127.0.0.1", port=0, redis_url=redis.url, model=str(default_model_dir),
                                          heartbeat_poll_interval=0.1, seed=0)

@@ -39,7 +39,7 @@ def cluster(redis_server, default_model_dir, pki):
     cert, key = pki["replica"]
     replica = ReplicaSettings(
         host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="rep-tls", redis_url=redis_server.url,
-        namespace="tls", num_blocks=64, torch_threads=1, heartbeat_interval=0.2, max_num_seqs=2,
+        namespace="tls", num_blocks=64, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=2,
         tls_cert_file=cert, tls_key_file=key, tls_client_ca_file=pki["ca"],  # mutual TLS
     )
     cert, key = pki["router"]

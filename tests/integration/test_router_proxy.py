@@ -75,7 +75,8 @@ def replicas(redis_server, default_model_dir, spans):
     def settings(rid: str, **kw) -> ReplicaSettings:
         return ReplicaSettings(
             host="127.0.0.1", port=0, model=str(default_model_dir), replica_id=rid, redis_url=redis_server.url,
-            num_blocks=128, torch_threads=1, heartbeat_interval=0.2, max_num_seqs=4, **kw,
+            num_blocks=128, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=4,
+            **kw,
         )
 
     telemetry = setup_telemetry("kvroute-replica-test", otlp=False, span_exporters=[spans])

@@ -82,7 +82,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def replica(redis_server, default_model_dir):
     settings = ReplicaSettings(
         host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="rep-chat", redis_url=redis_server.url,
-        num_blocks=128, torch_threads=1, heartbeat_interval=0.2,
+        num_blocks=128, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0,
     )
     with BackgroundReplica(settings) as r:
         yield r
