@@ -384,10 +384,12 @@ def main() -> int:
                          f"{h50 - g50:+.2f} ms p50, {h99 - g99:+.2f} ms p99 (gRPC {g50:.2f} / {g99:.2f}, "
                          f"HTTP {h50:.2f} / {h99:.2f} ms)", "-", "-"))
 
-    print(f"\nrouter benchmark: {NUM_REPLICAS} replicas, {NUM_ENTRIES / 1e6:g}M indexed entries, "
-          f"{PROMPT_TOKENS}-token prompts ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm;"
-          f" proxy: {args.requests} requests per side, one replica, loopback; {os.cpu_count()} cores,"
-          f" load average {os.getloadavg()[0]:.1f}")
+    parts = [] if args.proxy_only else [
+        f"{NUM_REPLICAS} replicas, {NUM_ENTRIES / 1e6:g}M indexed entries, {PROMPT_TOKENS}-token prompts"
+        f" ({PROMPT_TOKENS // B} blocks), {args.decisions} decisions per algorithm"]
+    if not args.skip_proxy:
+        parts.append(f"proxy: {args.requests} requests per side, one replica, loopback")
+    print(f"\nrouter benchmark: {'; '.join(parts)}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     print_table(("metric", "measured", "goal", "verdict"), rows)
     if others is not None and others > 0.25:
         print(f"\nnote: other processes kept {others:.1f} of {os.cpu_count()} cores busy at the start; latencies"
