@@ -358,17 +358,18 @@ def main() -> int:
                          f"<= {GOAL_ADDED_MS:g} ms", verdict(r - d <= GOAL_ADDED_MS)))
         if gateways:
             d = statistics.median(lat["direct_ttft"])
-            added = {side: statistics.median(lat[f"{side}_ttft"]) - d
-                     for side in ("envoy", "picker", "routed", "floor") if f"{side}_ttft" in lat}
-            for side, label in (("envoy", "(a) Envoy alone"), ("floor", "(b0) Envoy + a fixed-answer ext_proc"),
-                                ("picker", "(b) Envoy + kvroute picker"), ("routed", "(c) Python proxy")):
-                if side == "floor" and side not in added:
-                    rows.append((f"TTFT added, {label}", "skipped: node is not on PATH", "(the floor of (b))", "-"))
+            floor = "(the floor of (b))"
+            for side, label, goal in (("envoy", "(a) Envoy alone", "-"),
+                                      ("floor", "(b0) Envoy + a fixed-answer ext_proc", floor),
+                                      ("picker", "(b) Envoy + kvroute picker", f"<= {GOAL_ADDED_MS:g} ms"),
+                                      ("routed", "(c) Python proxy", "-")):
+                if f"{side}_ttft" not in lat:  # the floor, without node
+                    rows.append((f"TTFT added, {label}", "skipped: node is not on PATH", goal, "-"))
                     continue
-                rows.append((f"TTFT added, {label}", f"{added[side]:+.2f} ms p50 (direct {d:.2f} ms)"
-                             + (" (compiled HTTP/2, no routing)" if side == "floor" else ""),
-                             {"picker": f"<= {GOAL_ADDED_MS:g} ms", "floor": "(the floor of (b))"}.get(side, "-"),
-                             verdict(added[side] <= GOAL_ADDED_MS) if side == "picker" else "-"))
+                added = statistics.median(lat[f"{side}_ttft"]) - d
+                how = " (compiled HTTP/2, no routing)" if side == "floor" else ""
+                rows.append((f"TTFT added, {label}", f"{added:+.2f} ms p50 (direct {d:.2f} ms){how}", goal,
+                             verdict(added <= GOAL_ADDED_MS) if side == "picker" else "-"))
             for key, tokens in (("", 8), ("long-", LONG_TOKENS)):
                 picker, proxy = cpu[f"{key}picker"], cpu[f"{key}routed"]
                 ratio = proxy / picker if picker > 0 else float("inf")

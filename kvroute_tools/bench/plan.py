@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvroute.hashing import BlockHasher
 from kvroute_tools.simulate.oracles import oracle_rates
 from kvroute_tools.trace import TraceRequest, TraceTokenizer, hit_rate_bounds, leading_seen
 
@@ -83,15 +84,13 @@ def routed_past(prompts: Sequence[Sequence[int]], picks: Sequence[str], block_si
         raise ValueError(f"block_size: must be >= 1, got {block_size}")
     if len(prompts) != len(picks):
         raise ValueError(f"picks: {len(picks)} for {len(prompts)} prompts")
-    held: dict[str, set[int]] = {}
+    hasher = BlockHasher(block_size=block_size)  # the block and all before it, as the engine keys it
+    held: dict[str, set[bytes]] = {}
     requests = tokens = 0
     for ids, pick in zip(prompts, picks, strict=True):
         if not pick:
             continue
-        keys, key = [], 0
-        for start in range(0, len(ids) // block_size * block_size, block_size):
-            key = hash((key, tuple(ids[start:start + block_size])))  # the block and all before it
-            keys.append(key)
+        keys = hasher.hash_blocks(ids)
         lookable = keys[: max(len(ids) - 1, 0) // block_size]
         mine = held.setdefault(pick, set())
         lost = max(leading_seen(lookable, blocks) for blocks in held.values()) - leading_seen(lookable, mine)

@@ -75,8 +75,8 @@ class RedisEventPublisher(EventPublisher):
         info: the engine's identity (its heartbeat part goes into every heartbeat).
         address: where this replica serves gRPC (``host:port``), for the heartbeat.
         epoch: default ``time.time_ns()`` when the publisher is made (one publisher per replica start).
-        heartbeat_interval: seconds between heartbeats; the key lives 3 intervals.
-        heartbeat_ttl: seconds the heartbeat key lives instead (None: 3 intervals), at least one
+        heartbeat_interval: seconds between heartbeats.
+        heartbeat_ttl: seconds the heartbeat key lives (None: 3 intervals), at least one
             interval: how long a replica that stopped heartbeating stays routable.
         snapshot_interval: seconds between periodic snapshots.
         buffer_size: event batches held while Redis is slow or down; more are dropped.
@@ -175,7 +175,7 @@ class RedisEventPublisher(EventPublisher):
     def close(self, timeout: float = 2.0) -> None:
         """Stop: flush what is buffered if Redis is up (best effort), stop heartbeating.
 
-        The heartbeat key is left to expire (3 intervals), like a crashed replica's.
+        The heartbeat key is left to expire (its TTL), like a crashed replica's.
         """
         self._stop.set()
         self._wake.set()
