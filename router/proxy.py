@@ -56,6 +56,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import call_outcome, deadline_expired
+from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -63,6 +64,7 @@ from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import router_pb2 as router_pb
 from router.channels import ReplicaChannels
 from router.core import Decision
+from router.registry import ReplicaInfo
 from router.routing import NoReplicaError, RoutingService, classify_error
 from router.telemetry import (
     ATTR_ATTEMPTS,
@@ -74,6 +76,7 @@ from router.telemetry import (
     ATTR_REQUEST_ID,
     CallSpans,
 )
+from router.vllm_upstream import VllmUpstream
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class Proxy:
         max_retries: other replicas tried when one fails with UNAVAILABLE before the first token.
         tracer: makes the spans (None: no spans, but the caller's trace context still goes upstream).
         channels: the channels to the replicas (default: plaintext ones).
+        vllm: the HTTP client for vLLM replicas (default: a plaintext one).
     """
 
     def __init__(
@@ -106,12 +110,14 @@ class Proxy:
         max_retries: int = 2,
         tracer: Any = None,
         channels: ReplicaChannels | None = None,
+        vllm: VllmUpstream | None = None,
     ):
         self.routing = routing
         self.max_retries = max_retries
         self.metrics = routing.metrics
         self.tracer = tracer
         self.channels = channels if channels is not None else ReplicaChannels()
+        self.vllm = vllm if vllm is not None else VllmUpstream()
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
 
     # -- the proxied call --------------------------------------------------------------------------
@@ -165,26 +171,22 @@ class Proxy:
                     ctx = spans.attempt(REPLICA_STREAM_METHOD, picked.replica_id, picked.address,
                                         decision.predicted_cached_tokens)
                 started = False
-                call = None
+                upstream = self._upstream(picked, upstream_request, context.time_remaining(), ctx)
                 try:
-                    with self.channels.in_flight(picked.address) as stub:
-                        call = stub.GenerateStream(
-                            upstream_request, timeout=context.time_remaining(), metadata=inject_metadata((), ctx),
-                        )
-                        async for resp in call:
-                            if not started:
-                                started = True
-                                first_token_s = time.perf_counter() - t0
-                                # No initial metadata of our own: sending it apart from the first
-                                # delta costs that delta ~0.25 ms (measured, 2-core box).
-                                self.routing.prefill_done(ticket)
-                            if resp.finish_reason != _UNFINISHED:
-                                final = resp
-                                resp.routing.CopyFrom(gen_pb.RoutingInfo(
-                                    replica_id=picked.replica_id, replica_address=picked.address,
-                                    predicted_cached_tokens=decision.predicted_cached_tokens, policy=decision.policy,
-                                ))
-                            yield resp
+                    async for resp in upstream:
+                        if not started:
+                            started = True
+                            first_token_s = time.perf_counter() - t0
+                            # No initial metadata of our own: sending it apart from the first
+                            # delta costs that delta ~0.25 ms (measured, 2-core box).
+                            self.routing.prefill_done(ticket)
+                        if resp.finish_reason != _UNFINISHED:
+                            final = resp
+                            resp.routing.CopyFrom(gen_pb.RoutingInfo(
+                                replica_id=picked.replica_id, replica_address=picked.address,
+                                predicted_cached_tokens=decision.predicted_cached_tokens, policy=decision.policy,
+                            ))
+                        yield resp
                     return
                 except grpc.aio.AioRpcError as e:
                     retry = (not started and e.code() in RETRYABLE_CODES and len(attempts) <= self.max_retries
@@ -202,8 +204,7 @@ class Proxy:
                     if not started:  # refused or failed before prefill: its blocks will not be stored
                         self.routing.withdraw(decision)
                     self.routing.finish(ticket)
-                    if call is not None and not call.done():
-                        call.cancel()  # RST_STREAM: the replica aborts the request and frees its blocks
+                    await upstream.aclose()  # the replica aborts the request and frees its blocks
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is
             error = call_outcome(exc, context, classify_error)
             raise
@@ -214,6 +215,34 @@ class Proxy:
                 self._record, request, decision, final, spans, time.perf_counter() - t0, first_token_s, error,
                 attempts, operation,
             )
+
+    async def _upstream(self, picked: ReplicaInfo, request: rep_pb.ReplicaGenerateRequest, timeout: float | None,
+                        ctx: Any) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """The picked replica's deltas for ``request``: ReplicaService.GenerateStream on a kvroute
+        replica, vLLM's completions API on a vLLM one (router.vllm_upstream). Closing it cancels the
+        upstream call (RST_STREAM, or the HTTP connection closed): the replica aborts the request.
+
+        Raises:
+            grpc.aio.AioRpcError: the replica's status.
+        """
+        if picked.engine == ENGINE_VLLM:
+            stream = self.vllm.stream(picked.address, picked.model, request, timeout=timeout,
+                                      headers=dict(inject_metadata((), ctx)))
+            try:
+                async for resp in stream:
+                    yield resp
+            finally:
+                await stream.aclose()
+            return
+        call = None
+        try:
+            with self.channels.in_flight(picked.address) as stub:
+                call = stub.GenerateStream(request, timeout=timeout, metadata=inject_metadata((), ctx))
+                async for resp in call:
+                    yield resp
+        finally:
+            if call is not None and not call.done():
+                call.cancel()  # RST_STREAM
 
     def _record(
         self, request: gen_pb.GenerateRequest, decision: Decision | None, final: gen_pb.GenerateResponse | None,
@@ -263,7 +292,7 @@ class Proxy:
     async def model_info(self) -> gen_pb.ModelInfo:
         """A routable replica's ModelInfo (the router's public GetModelInfo), else what the router
         knows: the model folder's, with :meth:`model_limits`."""
-        replicas = self.routing.routable()
+        replicas = [r for r in self.routing.routable() if r.engine == ENGINE_KVROUTE]  # vLLM has no GetModelInfo
         random.shuffle(replicas)
         for info in replicas[:2]:
             try:
@@ -283,6 +312,7 @@ class Proxy:
 
     async def close(self) -> None:
         await self.channels.close()
+        await self.vllm.close()
 
 
 __all__ = ["GENERATION_SERVICE", "MD_PREDICTED", "MD_REPLICA", "ROUTER_SERVICE", "Proxy"]

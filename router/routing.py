@@ -153,7 +153,7 @@ class RoutingService:
         return self._router.decide(token_ids, cache_salt or None)
 
     def route(self, token_ids: Sequence[int], cache_salt: str = "", *, exclude: Collection[str] = (),
-              subset: Sequence[str] | None = None) -> Route:
+              subset: Sequence[str] | None = None, engines: Collection[str] | None = None) -> Route:
         """Pick a replica for the prompt and commit the pick (speculative entries, in-flight load).
 
         Args:
@@ -161,6 +161,8 @@ class RoutingService:
             cache_salt: the request's cache_salt ("" for none).
             exclude: replica ids not to pick (ones that already failed this request).
             subset: the gateway's endpoint subset hint, as ``host:port`` addresses (None: no hint).
+            engines: the replica kinds the caller's protocol can reach at a replica's address
+                (kvroute.heartbeat.ENGINES; None: every kind).
 
         Raises:
             NoReplicaError: nobody is routable (or none of the subset); the message says why.
@@ -170,7 +172,8 @@ class RoutingService:
             raise NoReplicaError("the endpoint subset is empty")
         left_out = set(exclude)
         left_out.update(r.replica_id for r in self.replicas()
-                        if not r.address or (subset is not None and r.address not in subset))
+                        if not r.address or (subset is not None and r.address not in subset)
+                        or (engines is not None and r.engine not in engines))
         full = self._full_queues(left_out)
         if full and len(full) == sum(1 for r in self.routable() if r.replica_id not in left_out):
             queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)

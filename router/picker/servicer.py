@@ -46,6 +46,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from kvroute.heartbeat import ENGINE_KVROUTE
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
@@ -153,7 +154,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 ids = self._routing.checked_ids(request)  # refused before any pick
                 salt = request.cache_salt
             self._settle_prefill()
-            route = self._routing.route(ids, salt, subset=subset)
+            # A gRPC call reaches only kvroute replicas at their address; an OpenAI HTTP one, vLLM's too.
+            route = self._routing.route(ids, salt, subset=subset, engines=(ENGINE_KVROUTE,) if call.grpc else None)
         except (InvalidRequestError, NoReplicaError, QueuesFullError) as e:
             if isinstance(e, NoReplicaError):
                 call.decision = e.decision
