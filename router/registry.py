@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvroute.heartbeat import Heartbeat
+from kvroute.heartbeat import ENGINE_KVROUTE, ENGINES, Heartbeat
 from router.model_limits import ReportedLimits
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ class ReplicaInfo:
     """One replica as of its last :class:`kvroute.heartbeat.Heartbeat` (its fields, the load flattened)
     and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds when it read
     the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds);
-    ``vocab_size`` / ``max_model_len``: the engine's limits, 0 when the heartbeat does not say."""
+    ``vocab_size`` / ``max_model_len``: the engine's limits, 0 when the heartbeat does not say;
+    ``engine``: what serves at ``address`` (kvroute.heartbeat.ENGINES)."""
 
     replica_id: str
     address: str = ""
@@ -74,6 +75,7 @@ class ReplicaInfo:
     routable: bool = False
     reason: str = ""  # why it is not routable ("" when it is)
     hash_compatible: bool = False
+    engine: str = ENGINE_KVROUTE
 
 
 class ReplicaRegistry:
@@ -148,7 +150,7 @@ class ReplicaRegistry:
             waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
             queued_prefill_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s, decode_seconds_per_running=load.decode_seconds_per_running,
-            heartbeat_at=now, written_at=heartbeat.ts,
+            heartbeat_at=now, written_at=heartbeat.ts, engine=heartbeat.engine,
         )
         with self._lock:
             old = self._replicas.get(replica_id)
@@ -231,6 +233,8 @@ class ReplicaRegistry:
             reasons.append(f"hash_seed_digest {info.hash_seed_digest or '(none)'} != router's {seed_digest}")
         if info.block_size != block_size:
             reasons.append(f"block_size {info.block_size} != router's {block_size}")
+        if info.engine not in ENGINES:
+            reasons.append(f"engine {info.engine!r} is not one this router serves ({', '.join(ENGINES)})")
         return "; ".join(reasons)
 
     def _take_log(self, replica_id: str, reason: str) -> str:

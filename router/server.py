@@ -51,6 +51,7 @@ from router.picker.server import PickerServer
 from router.picker.servicer import EndpointPicker
 from router.proxy import Proxy
 from router.registry import ReplicaRegistry
+from router.routing import RoutingService
 from router.scoring import Policy, make_policy
 from router.servicers import GenerationServicer, RouterServicer, service_names
 from router.settings import RouterSettings
@@ -88,7 +89,7 @@ def make_discovery(settings: RouterSettings, registry: ReplicaRegistry) -> Disco
 class RouterServer:
     """One router's gRPC server and the machinery behind it (see the module docstring).
 
-    After ``await start()``: ``port`` (bound), ``http_port`` / ``picker_port`` (bound; None when off), ``router_id``, ``router`` (core.Router), ``proxy``,
+    After ``await start()``: ``port`` (bound), ``http_port`` / ``picker_port`` (bound; None when off), ``router_id``, ``router`` (core.Router), ``routing`` (router.routing), ``proxy``,
     ``index``, ``registry``, ``consumer``, ``load``, ``discovery``, ``tokenizer``.
     """
 
@@ -105,6 +106,7 @@ class RouterServer:
         self.load: LoadTracker | None = None
         self.load_sync: RedisLoadSync | None = None
         self.router: Router | None = None
+        self.routing: RoutingService | None = None
         self.proxy: Proxy | None = None
         self.metrics: RouterMetrics | None = None
         self.http_port: int | None = None
@@ -184,19 +186,17 @@ class RouterServer:
             )
             if self.telemetry.tracing:  # spans nobody exports are not made
                 tracer = self.telemetry.tracer("kvroute.router")
-        self.proxy = Proxy(
-            self.router, self.tokenizer, policy_factory=self.policy,
-            max_retries=s.max_retries, metrics=self.metrics, tracer=tracer,
-            channels=ReplicaChannels(credentials=replica_tls),
-        )
+        self.routing = RoutingService(self.router, self.tokenizer, policy_factory=self.policy, metrics=self.metrics)
+        self.proxy = Proxy(self.routing, max_retries=s.max_retries, tracer=tracer,
+                           channels=ReplicaChannels(credentials=replica_tls))
         if s.http_port >= 0:  # bound now: a taken port fails before anything starts
-            app = router_http_app(self.proxy, self._ready.is_set, self.telemetry).app
+            app = router_http_app(self.routing, self.proxy, self._ready.is_set, self.telemetry).app
             self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
-        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.proxy, admin_token))
+        add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.routing, admin_token))
         if s.picker_port >= 0:  # its own port and server (router.picker.server); bound now, like HTTP
-            self._picker = PickerServer(EndpointPicker(self.proxy, fallbacks=s.picker_fallbacks), s.host,
+            self._picker = PickerServer(EndpointPicker(self.routing, fallbacks=s.picker_fallbacks), s.host,
                                         s.picker_port, server_tls, s.picker_streams)
             self.picker_port = self._picker.start()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -1,5 +1,5 @@
 """The router's gRPC servicers: GenerationService (routed to the replicas through the Proxy) and
-RouterService (Score, SetPolicy). Statuses are decided in one place, :func:`router.proxy.classify_error`
+RouterService (Score, SetPolicy). Statuses are decided in one place, :func:`router.routing.classify_error`
 behind ``error_boundary``."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from kvroute.grpc_errors import RpcError, error_boundary
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from router.proxy import GENERATION_SERVICE, ROUTER_SERVICE, Proxy, classify_error
+from router.proxy import GENERATION_SERVICE, ROUTER_SERVICE, Proxy
+from router.routing import RoutingService, classify_error
 
 _boundary = error_boundary(classify_error)
 
@@ -45,13 +46,13 @@ class RouterServicer(router_grpc.RouterServiceServicer):
     the metadata ``authorization: Bearer <admin_token>``.
     """
 
-    def __init__(self, proxy: Proxy, admin_token: str | None = None) -> None:
-        self._proxy = proxy
+    def __init__(self, routing: RoutingService, admin_token: str | None = None) -> None:
+        self._routing = routing
         self._expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     @_boundary
     async def Score(self, request, context):
-        return self._proxy.score(request)
+        return self._routing.score(request)
 
     def _check_admin(self, context) -> None:
         if self._expected is None:
@@ -65,7 +66,7 @@ class RouterServicer(router_grpc.RouterServiceServicer):
     @_boundary
     async def SetPolicy(self, request, context):
         self._check_admin(context)
-        return router_pb.SetPolicyResponse(policy=self._proxy.set_policy(request.policy))
+        return router_pb.SetPolicyResponse(policy=self._routing.set_policy(request.policy))
 
 
 def service_names() -> Sequence[str]:

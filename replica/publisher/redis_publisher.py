@@ -38,7 +38,7 @@ from redis.retry import Retry
 
 from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
-from kvroute.heartbeat import EngineLoad, Heartbeat
+from kvroute.heartbeat import ENGINE_KVROUTE, EngineLoad, Heartbeat
 from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.snapshot import CacheSnapshot, encode_snapshot
@@ -82,6 +82,8 @@ class RedisEventPublisher(EventPublisher):
         buffer_size: event batches held while Redis is slow or down; more are dropped.
         stream_maxlen: approximate MAXLEN of the event stream.
         auth: the Redis credentials (kvroute.redis_connect; default none).
+        engine: what serves at ``address`` (kvroute.heartbeat.ENGINES): ``"vllm"`` for the bridge
+            beside a vLLM server, whose ``address`` is that server's HTTP ``host:port``.
         max_waiting: the replica's waiting-queue bound, for the heartbeat (0: not said).
 
     Raises:
@@ -104,6 +106,7 @@ class RedisEventPublisher(EventPublisher):
         auth: RedisAuth | None = None,
         max_waiting: int = 0,
         heartbeat_ttl: float | None = None,
+        engine: str = ENGINE_KVROUTE,
     ):
         if heartbeat_interval <= 0 or snapshot_interval <= 0:
             raise ValueError("heartbeat_interval, snapshot_interval: must be > 0")
@@ -119,6 +122,7 @@ class RedisEventPublisher(EventPublisher):
         self._heartbeat = Heartbeat.of(
             info, replica_id=replica_id, address=address, epoch=self.epoch, last_seq=0,
             load=EngineLoad(free_blocks=max(info.num_blocks - 1, 0)), ts=0.0, max_waiting=max_waiting,
+            engine=engine,
         )
         self.heartbeat_interval = heartbeat_interval
         self.snapshot_interval = snapshot_interval

@@ -1,13 +1,13 @@
 """``envoy.service.ext_proc.v3.ExternalProcessor/Process``: one ext_proc stream per HTTP call,
-answered with the proxy's decision path (router.picker's table). Served by router.picker.server
+answered with the routing service (router.routing; router.picker's table). Served by router.picker.server
 (a synchronous grpc.server: each stream on a pool thread, for as long as its HTTP call).
 
 One stream, as a gateway that sends the request headers drives it::
 
     ← request_headers   remember :path, content-type                       → CONTINUE
     ← request_body      (buffered, end_of_stream) → GenerateRequest → token ids
-                        → decide (minus the replicas outside the subset hint) → commit, as one
-                          step under Router.decision_lock (the proxy and the other streams pick too)
+                        → RoutingService.route (the subset hint, full queues, decide + commit as
+                          one step: the proxy and the other streams pick too)
                         → destination(picked, fallbacks...) + the pick as kvroute.routing metadata
                           | ImmediateResponse 400 / 503 / 429
     ← response_trailers (a sampled share, kvroute_tools.envoy) grpc-status, x-kvroute-cached-tokens
@@ -28,7 +28,8 @@ the first byte, as the proxy does, but once a heartbeat the replica wrote at lea
 the prompt if it still waits (the decision takes the larger of the two), or no longer does.
 
 Errors never leave the picker as a gRPC error of its own (Envoy would answer the client 500): a
-refused prompt is an ImmediateResponse with the status the proxy gives it.
+refused prompt is an ImmediateResponse with the status the proxy gives it
+(router.routing.classify_error).
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from kvroute.heartbeat import ENGINE_KVROUTE
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
-from router.core import Decision, Router
+from router.core import Decision
 from router.load import Ticket
 from router.picker import protocol
 from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
-from router.proxy import Proxy
-from router.registry import ReplicaInfo, ReplicaRegistry
+from router.routing import NoReplicaError, QueuesFullError, RoutingService, classify_error
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +84,16 @@ class _Call:
 
 
 class EndpointPicker(ext_grpc.ExternalProcessorServicer):
-    """The endpoint picker over ``proxy``'s Router, tokenizer and metrics.
+    """The endpoint picker over the routing service.
 
     Args:
-        proxy: the router's request path (its ``router``, ``tokenizer``, ``metrics``).
+        routing: the routing steps (checked ids, route, prefill_done, finish; its ``metrics``).
         fallbacks: endpoints listed after the pick, next-best first (0: the pick alone, what an
             ORIGINAL_DST cluster reading the header needs: it takes one address).
     """
 
-    def __init__(self, proxy: Proxy, *, fallbacks: int = 0) -> None:
-        self._proxy = proxy
+    def __init__(self, routing: RoutingService, *, fallbacks: int = 0) -> None:
+        self._routing = routing
         self._fallbacks = fallbacks
         self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
         self._lock = threading.Lock()  # _unsettled: the pool's threads pick concurrently
@@ -111,7 +112,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             # with it; a cancel ends the iteration with an RpcError). After every answer of the
             # stream: a ticket committed by one is never missed.
             if call.ticket is not None:
-                self._proxy.router.finish(call.ticket)
+                self._routing.finish(call.ticket)
             self._record(call, time.perf_counter() - call.t0)
 
     def _answer(self, call: _Call, msg: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
@@ -134,7 +135,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                               on_headers=False)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
             if call.ticket is not None:
-                self._proxy.router.prefill_done(call.ticket)
+                self._routing.prefill_done(call.ticket)
             return protocol.continue_response_headers()
         if kind == "response_trailers":
             return self._trailers(call, protocol.header_map(msg.response_trailers, _TRAILERS))
@@ -150,69 +151,36 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if body is not None:
                 request = generate_request(call.path, call.content_type, body)
                 call.operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
-                ids = self._proxy.checked_ids(request)  # the proxy's checks: refused before any pick
+                ids = self._routing.checked_ids(request)  # refused before any pick
                 salt = request.cache_salt
-        except InvalidRequestError as e:
-            return self._refuse(call, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._settle_prefill()
-        registry = self._proxy.router.registry
-        exclude = [r.replica_id for r in registry.all() if not r.address or (subset is not None and r.address not in subset)]
-        if subset is not None and not subset:
-            return self._refuse(call, grpc.StatusCode.UNAVAILABLE, "the endpoint subset is empty")
-        full = self._full_queues(exclude)
-        if full and len(full) == sum(1 for r in registry.routable() if r.replica_id not in exclude):
-            queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)
-            return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"every replica's waiting queue is full ({queues}); retry later")
-        with self._proxy.router.decision_lock:  # decide + commit as one step (other threads pick too)
-            decision = self._proxy.decide(ids, salt, [*exclude, *(r.replica_id for r in full)])
-            if decision.picked is not None:
-                call.ticket = self._proxy.commit(decision)
-        call.decision = decision
-        if decision.picked is None:
-            why = decision.reason if subset is None else f"no replica of the subset {','.join(subset)} is routable"
-            return self._refuse(call, grpc.StatusCode.UNAVAILABLE, why)
+            self._settle_prefill()
+            # A gRPC call reaches only kvroute replicas at their address; an OpenAI HTTP one, vLLM's too.
+            route = self._routing.route(ids, salt, subset=subset, engines=(ENGINE_KVROUTE,) if call.grpc else None)
+        except (InvalidRequestError, NoReplicaError, QueuesFullError) as e:
+            if isinstance(e, NoReplicaError):
+                call.decision = e.decision
+            code, message = classify_error(e) or (grpc.StatusCode.INTERNAL, str(e))
+            return self._refuse(call, code, message)
+        call.decision, call.ticket = route.decision, route.ticket
         call.picked_at = time.time()
         with self._lock:
             self._unsettled.append(call)
-        endpoints = [decision.picked.address, *self._next_best(decision)]
-        return protocol.destination(endpoints, on_headers=on_headers, routing=_routing(decision))
+        endpoints = [route.replica.address, *self._routing.next_best(route.decision, self._fallbacks)]
+        return protocol.destination(endpoints, on_headers=on_headers, routing=_routing(route.decision))
 
     def _settle_prefill(self) -> None:
         """Release the pending prefill of the oldest picks that their replica's heartbeat now covers
         (module docstring). Pick order, stopping at the first not covered: O(1) amortised."""
-        router = self._proxy.router
-        registry = router.registry
         with self._lock:
-            self._settle_locked(router, registry)
-
-    def _settle_locked(self, router: Router, registry: ReplicaRegistry) -> None:
-        while self._unsettled:
-            call = self._unsettled[0]
-            ticket = call.ticket
-            if ticket is not None and not ticket.prefill_done:
-                info = registry.get(ticket.replica_id)
-                if info is not None and info.written_at < call.picked_at + _COVERED_AFTER_S:
-                    return
-                router.prefill_done(ticket)  # the load's pending prefill and the held speculative entries
-            self._unsettled.popleft()
-
-    def _full_queues(self, exclude: Sequence[str]) -> list[ReplicaInfo]:
-        """The candidates whose heartbeat shows their waiting queue at the bound they advertise
-        (``max_waiting``; replicas that advertise none are never full). They would refuse the call
-        with RESOURCE_EXHAUSTED: the picker leaves them out, and sheds the request (429) when that
-        leaves nobody. The replica still enforces its bound itself (heartbeats lag)."""
-        return [r for r in self._proxy.router.registry.routable()
-                if r.replica_id not in exclude and 0 < r.max_waiting <= r.waiting]
-
-    def _next_best(self, decision: Decision) -> list[str]:
-        if self._fallbacks <= 0:
-            return []
-        registry = self._proxy.router.registry
-        picked = decision.picked.replica_id if decision.picked is not None else ""
-        ranked = sorted((s for s in decision.scored if s.candidate.replica_id != picked), key=lambda s: s.cost)
-        addresses = [info.address for s in ranked if (info := registry.get(s.candidate.replica_id)) is not None]
-        return addresses[: self._fallbacks]
+            while self._unsettled:
+                call = self._unsettled[0]
+                ticket = call.ticket
+                if ticket is not None and not ticket.prefill_done:
+                    info = self._routing.replica(ticket.replica_id)
+                    if info is not None and info.written_at < call.picked_at + _COVERED_AFTER_S:
+                        return
+                    self._routing.prefill_done(ticket)  # the pending prefill and the held speculative entries
+                self._unsettled.popleft()
 
     def _refuse(self, call: _Call, code: grpc.StatusCode, message: str) -> ext_pb.ProcessingResponse:
         """The ImmediateResponse of a call the picker does not route: gRPC callers get ``code``,
@@ -234,7 +202,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         return protocol.trailers_response(_routing(d) if d is not None and d.picked is not None else {})
 
     def _record(self, call: _Call, duration_s: float) -> None:
-        metrics = self._proxy.metrics
+        metrics = self._routing.metrics
         d = call.decision
         if metrics is None or (d is None and not call.status):
             return

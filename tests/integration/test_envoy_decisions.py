@@ -102,7 +102,7 @@ def set_load(router, stub, **load) -> None:
 
 
 def indexed(router, stub, ids, blocks: int, salt: str = "") -> None:
-    wait_for(lambda: router.server.proxy.score(_score_request(ids, salt)).replicas[
+    wait_for(lambda: router.server.routing.score(_score_request(ids, salt)).replicas[
         int(stub.replica_id[1]) - 1].gpu_matched_blocks == blocks, what=f"{stub.replica_id}'s blocks indexed")
 
 
@@ -264,7 +264,7 @@ def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
     stubs["R3"].store(tokens, blocks=3)
     indexed(router, stubs["R2"], tokens, 6)
     indexed(router, stubs["R3"], tokens, 3)
-    picker = EndpointPicker(router.server.proxy, fallbacks=2)
+    picker = EndpointPicker(router.server.routing, fallbacks=2)
 
     # The servicer alone, as its server's pool thread drives it: the messages in, the answers out.
     answers = list(picker.Process(_pick_messages(tokens, None), None))

@@ -80,9 +80,9 @@ def test_a_request_the_router_can_check_is_refused_before_it_reaches_a_replica(g
 
 
 def test_the_limits_come_from_the_heartbeat_not_the_model_folder(ghost_router):
-    proxy = ghost_router.server.proxy
-    assert (proxy.tokenizer.vocab_size, proxy.tokenizer.max_model_len) == (529, 8192)  # the folder's
-    assert proxy.model_limits() == (500, 1024)  # the ghost's heartbeat: nothing listens there to ask
+    routing = ghost_router.server.routing
+    assert (routing.tokenizer.vocab_size, routing.tokenizer.max_model_len) == (529, 8192)  # the folder's
+    assert routing.model_limits() == (500, 1024)  # the ghost's heartbeat: nothing listens there to ask
 
 
 def test_a_prompt_the_replica_refuses_leaves_no_speculative_entries_for_its_prefix(redis_server, default_model_dir):
@@ -95,7 +95,7 @@ def test_a_prompt_the_replica_refuses_leaves_no_speculative_entries_for_its_pref
                         identity={"max_model_len": 2048})
     with BackgroundReplica(settings), routed(redis_server, default_model_dir, "short") as router:
         wait_for(lambda: len(router.server.registry.routable()) == 2, what="both replicas routable")
-        assert router.server.proxy.model_limits()[1] == 2048
+        assert router.server.routing.model_limits()[1] == 2048
         huge = prompt(4, 1000)
         with grpc.insecure_channel(router.target) as channel:
             gen = gen_grpc.GenerationServiceStub(channel)
@@ -107,7 +107,7 @@ def test_a_prompt_the_replica_refuses_leaves_no_speculative_entries_for_its_pref
             # Once the roomy one's heartbeat expires, no routable replica holds 1000 tokens: the
             # router refuses by itself.
             roomy.close()
-            wait_for(lambda: router.server.proxy.model_limits()[1] == 256, what="the roomy replica expired")
+            wait_for(lambda: router.server.routing.model_limits()[1] == 256, what="the roomy replica expired")
             with pytest.raises(grpc.RpcError) as again:
                 gen.Generate(gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=huge), sampling=GREEDY), timeout=T)
             assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,4 +1,5 @@
-"""Hand-worked routing decisions (router acceptance 1-4): hashing + index + load + the kvroute cost.
+"""Hand-worked routing decisions through the routing service every front calls (router.routing):
+hashing + index + load + the kvroute cost.
 
 Numbers: block_size 16, prefill rate 1,000 tokens/s (so 1 token = 1 ms), decode term 2 ms per
 running sequence, prefill-work weight 1 (each uncached token costs 1 ms more), no kv-usage or
@@ -10,15 +11,22 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import time
 
+import grpc
 import pytest
+import tokenizers
 
 from kvroute.hashing import BlockHasher, BlockHashKeys
 from kvroute.heartbeat import Heartbeat
+from kvroute.prompt import InvalidRequestError, PromptTokenizer
+from kvroute.tokenizer import Tokenizer
+from kvroute.v1 import generation_pb2 as gen_pb
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
 from router.registry import ReplicaRegistry
+from router.routing import NoReplicaError, QueuesFullError, RoutingService, classify_error
 from router.scoring import KVRoutePolicy, ScoringWeights
 
 B = 16
@@ -53,10 +61,21 @@ def prompt(seed, n):
     return [rng.randrange(10, 30000) for _ in range(n)]
 
 
-def route(router, tokens, salt=None):
-    d = router.decide(tokens, salt)
-    router.commit(d)
-    return d.picked.replica_id
+TOKENIZER = PromptTokenizer(Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE())), vocab_size=30000)
+
+
+def service(router) -> RoutingService:
+    """The routing service every front calls, over ``router`` (prompts here are token ids already)."""
+    return RoutingService(router, TOKENIZER, policy_factory=lambda name: router.policy)
+
+
+def decide(router, tokens, salt=""):
+    return service(router).decide(tokens, salt or "")
+
+
+def route(router, tokens, salt=""):
+    """Route and commit, as a front does; the picked replica's id."""
+    return service(router).route(tokens, salt or "").replica.replica_id
 
 
 def test_nine_disjoint_requests_split_three_ways_counted_at_selection():
@@ -74,7 +93,7 @@ def test_request_sharing_two_blocks_with_one_on_r2_goes_to_r2():
     picks = [route(router, p) for p in prompts]
     on_r2 = prompts[picks.index("R2")]
     follow_up = on_r2[: 2 * B] + prompt(99, 128)
-    d = router.decide(follow_up)
+    d = decide(router, follow_up)
     # Every replica has 3 x 160 queued tokens; R2 saves 32: 480 + 2 x 128 = 736 ms vs 480 + 2 x 160.
     assert d.picked.replica_id == "R2"
     assert d.score_of("R2").candidate.match.gpu == 2
@@ -96,7 +115,7 @@ def setup_r1_busy(r1_queued):
 
 def test_request_matching_nothing_goes_to_the_idle_replica():
     router, _ = setup_r1_busy(r1_queued=0)
-    d = router.decide(prompt(6, 320))
+    d = decide(router, prompt(6, 320))
     # R1: 2 x 320 ms + 10 x 2 ms decode; R2: 2 x 320 ms.
     assert d.picked.replica_id == "R2"
     assert d.score_of("R1").cost == pytest.approx(0.660)
@@ -106,7 +125,7 @@ def test_request_matching_nothing_goes_to_the_idle_replica():
 def test_ninety_percent_cached_goes_to_r1_while_its_queue_is_short():
     # R1: q + 2 x 32 + 20 ms ; R2: 2 x 320 = 640 ms -> R1 wins while q < 556 tokens.
     router, p2 = setup_r1_busy(r1_queued=555)
-    d = router.decide(p2)
+    d = decide(router, p2)
     assert d.score_of("R1").cost == pytest.approx((555 + 64 + 20) / 1000)
     assert d.score_of("R2").cost == pytest.approx(0.640)
     assert d.picked.replica_id == "R1"
@@ -115,7 +134,7 @@ def test_ninety_percent_cached_goes_to_r1_while_its_queue_is_short():
 
 def test_ninety_percent_cached_goes_to_r2_once_r1_queue_makes_it_slower():
     router, p2 = setup_r1_busy(r1_queued=557)
-    d = router.decide(p2)
+    d = decide(router, p2)
     assert d.score_of("R1").cost == pytest.approx((557 + 64 + 20) / 1000)
     assert d.picked.replica_id == "R2"
 
@@ -128,7 +147,7 @@ def test_longer_match_wins_in_every_insertion_order():
         router = make_router(order, hasher=hasher)
         for rid in order:
             router.index.add(rid, chain[: 2 if rid == "R1" else 5])  # R1: 8 tokens, R2: 20 tokens
-        d = router.decide(tokens)
+        d = decide(router, tokens)
         assert {s.candidate.replica_id: s.candidate.match.gpu * 4 for s in d.scored} == {"R1": 8, "R2": 20}
         assert d.picked.replica_id == "R2"
 
@@ -138,9 +157,9 @@ def test_tenants_with_different_cache_salt_never_share_blocks():
     router = make_router(["R1", "R2"], hasher=hasher)
     tokens = prompt(11, 96)
     router.index.add("R1", hasher.event_ints(tokens, BlockHashKeys(cache_salt="tenant-a")))
-    a = router.decide(tokens, "tenant-a")
-    b = router.decide(tokens, "tenant-b")
-    plain = router.decide(tokens)
+    a = decide(router, tokens, "tenant-a")
+    b = decide(router, tokens, "tenant-b")
+    plain = decide(router, tokens)
     assert a.score_of("R1").candidate.match.gpu == 6
     assert b.score_of("R1").candidate.match.gpu == 0
     assert plain.score_of("R1").candidate.match.gpu == 0
@@ -157,7 +176,7 @@ def test_replica_with_another_block_size_or_seed_is_not_routable_and_says_why():
     assert [r.replica_id for r in router.registry.routable()] == ["R1"]
     assert "block_size" in router.registry.get("R2").reason and "32" in router.registry.get("R2").reason
     assert "seed" in router.registry.get("R3").reason
-    assert router.decide(prompt(1, 64)).picked.replica_id == "R1"
+    assert decide(router, prompt(1, 64)).picked.replica_id == "R1"
 
 
 def test_burst_sharing_a_new_prefix_lands_on_one_replica_through_speculative_entries():
@@ -181,30 +200,27 @@ def test_a_commit_after_the_replica_was_removed_does_not_put_it_back_in_the_inde
 def test_a_withdrawn_decision_leaves_no_predicted_cached_tokens_for_its_prefix():
     router = make_router(["R1"])
     refused = prompt(8, 640)
-    d = router.decide(refused)
-    router.commit(d)
-    assert router.decide(refused[:320]).predicted_cached_tokens == 320 - B  # credited speculatively
-    router.withdraw(d)  # the replica refused it
-    assert router.decide(refused[:320]).predicted_cached_tokens == 0
+    d = service(router).route(refused).decision
+    assert decide(router, refused[:320]).predicted_cached_tokens == 320 - B  # credited speculatively
+    service(router).withdraw(d)  # the replica refused it
+    assert decide(router, refused[:320]).predicted_cached_tokens == 0
 
 
 def test_a_withdrawn_decision_leaves_the_prefix_it_shares_with_a_request_still_waiting():
     router = make_router(["R1"])
     shared = prompt(9, 320)  # 20 blocks
-    refused = router.decide(shared + prompt(10, 320))
-    waiting = router.decide(shared + prompt(11, 320))  # a burst: both credited to R1, both held
-    refused_ticket = router.commit(refused)
-    router.commit(waiting)
-    router.withdraw(refused)  # R1 refused the first one
-    router.finish(refused_ticket)  # as the proxy does after a withdrawal
+    refused = service(router).route(shared + prompt(10, 320))
+    service(router).route(shared + prompt(11, 320))  # a burst: both credited to R1, both held
+    service(router).withdraw(refused.decision)  # R1 refused the first one
+    service(router).finish(refused.ticket)  # as the proxy does after a withdrawal
     probe = shared + prompt(12, 16)  # 21 blocks, the last one new
-    assert router.decide(probe).predicted_cached_tokens == 320  # the waiting request's hold of the 20
-    assert router.decide(shared + prompt(10, 320)).predicted_cached_tokens == 320  # its own 20 are gone
+    assert decide(router, probe).predicted_cached_tokens == 320  # the waiting request's hold of the 20
+    assert decide(router, shared + prompt(10, 320)).predicted_cached_tokens == 320  # its own 20 are gone
 
 
 def test_no_routable_replica_gives_no_pick_and_a_reason():
     router = make_router([])
-    d = router.decide(prompt(1, 40))
+    d = decide(router, prompt(1, 40))
     assert d.picked is None and "no replica" in d.reason
 
 
@@ -248,7 +264,7 @@ def test_every_replica_is_costed_at_the_pools_median_measured_rates():
         router.registry.update_from_heartbeat(heartbeat(rid, i, hasher, running=10 if rid == "R1" else 0,
                                                         prefill_tokens_per_s=rate, decode_seconds_per_running=step),
                                               now=0.0)
-    d = router.decide(prompt(8, 320))
+    d = decide(router, prompt(8, 320))
     # Medians of what was measured (> 0): 2,000 tokens/s of (1,000, 2,000, 4,000); 2 ms of (1, 3).
     # R1: 2 x 320 / 2,000 + 10 x 2 ms; the others 2 x 320 / 2,000.
     assert d.score_of("R1").cost == pytest.approx(0.340)
@@ -266,7 +282,7 @@ def test_rate_settings_override_what_the_replicas_measured():
         router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, prefill_tokens_per_s=1000.0,
                                                         decode_seconds_per_running=0.0001), now=0.0)
         router.index.add("R1", hasher.event_ints(p)[:2])  # 32 of the 320 tokens
-        d = router.decide(p)
+        d = decide(router, p)
         # Measured, the medians 2,500 tokens/s and 0.1 ms: R1 2 x 288 / 2,500 + 40 x 0.1 ms = 0.2344 s
         # against R2 2 x 320 / 2,500 = 0.256 s. At the settings (1,000 tokens/s, 2 ms a running
         # sequence): R1 0.576 + 0.080 = 0.656 s against R2 0.640 s.
@@ -289,7 +305,7 @@ def test_on_backlogged_replicas_the_prefix_outweighs_the_shorter_queue(waiting, 
                                           now=0.0)
     router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, queued_prefill_tokens=3000, waiting=waiting),
                                           now=0.0)
-    d = router.decide(p2)
+    d = decide(router, p2)
     # Each uncached token weighs 1 + waiting more: R1 (5,000 + 32) + (1 + w) x 32 ms against
     # R2 (3,000 + 320) + (1 + w) x 320 ms. w = 0: 5.064 s against 3.640 s; w = 100: 8.264 against 35.640.
     assert d.score_of("R1").cost == pytest.approx((5032 + (1 + waiting) * 32) / 1000)
@@ -309,13 +325,91 @@ def test_the_kv_footprint_term_moves_a_long_prompt_off_a_full_replica_but_not_a_
     router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, usage=r1_usage), now=0.0)
     long_prompt = prompt(3, 320)
     router.index.add("R1", router.hasher.event_ints(long_prompt[:256]))
-    d = router.decide(long_prompt)
+    d = decide(router, long_prompt)
     assert d.score_of("R1").cost == pytest.approx(0.128 + 2 * r1_usage * 0.320)  # 0.448 or 0.704
     assert d.score_of("R2").cost == pytest.approx(0.640)
     assert d.picked.replica_id == picked
     # A 33-token prompt whose two blocks R1 holds stays there at either usage: 1 + 1 ms of prefill
     # and work + 2 x usage x 33 ms of footprint (35 or 61.4 ms) against 2 x 33 = 66 ms on R2.
-    d = router.decide(long_prompt[:33])
+    d = decide(router, long_prompt[:33])
     assert d.score_of("R1").cost == pytest.approx((2 + 2 * r1_usage * 33) / 1000)
     assert d.score_of("R2").cost == pytest.approx(0.066)
     assert d.picked.replica_id == "R1"
+
+
+# -- what the routing service adds around the decision (every front goes through it) ---------------
+def test_the_service_leaves_out_replicas_without_an_address():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2"], hasher=hasher)
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, address=""), now=0.0)
+    tokens = prompt(20, 64)
+    router.index.add("R1", hasher.event_ints(tokens))  # R1 holds the whole prompt, but nothing can dial it
+    assert [route(router, prompt(20 + i, 64)) for i in range(4)] == ["R2"] * 4
+    router.registry.expire("R2")
+    with pytest.raises(NoReplicaError) as err:
+        route(router, tokens)
+    assert err.value.decision is not None and err.value.decision.picked is None
+    assert "no replica is routable" in str(err.value)
+
+
+def test_the_service_skips_full_queues_and_sheds_when_every_queue_is_full():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2"], hasher=hasher)
+    tokens = prompt(21, 160)
+    router.index.add("R1", hasher.event_ints(tokens))  # R1 would win: 0 uncached tokens
+    assert decide(router, tokens).picked.replica_id == "R1"
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, hasher, waiting=4, max_waiting=4), now=0.0)
+    routing = service(router)
+    routed = routing.route(tokens)
+    assert routed.replica.replica_id == "R2"  # R1 would answer RESOURCE_EXHAUSTED: the pick skips it
+    routing.finish(routed.ticket)
+    later = time.time() + 1.0  # a heartbeat written after that request finished
+    router.registry.update_from_heartbeat(heartbeat("R2", 1, hasher, waiting=7, max_waiting=7, ts=later), now=0.0)
+    with pytest.raises(QueuesFullError) as err:
+        routing.route(tokens)
+    assert str(err.value) == "every replica's waiting queue is full (R1 4/4, R2 7/7); retry later"
+    assert classify_error(err.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert router.load.totals("R1") == (0, 0) and router.load.totals("R2") == (0, 0)  # nothing committed
+    # A request on R1 that finishes after R1's heartbeat was written: that heartbeat's queue is stale.
+    earlier = router.load.begin("R1", 16)  # routed to R1 before its queue filled up
+    routing.finish(earlier)
+    assert routing.route(tokens).replica.replica_id == "R1"
+
+
+def test_the_service_keeps_the_pick_inside_the_subset_and_names_an_empty_or_ineligible_one():
+    hasher = BlockHasher(block_size=B)
+    router = make_router(["R1", "R2", "R3"], hasher=hasher)
+    tokens = prompt(22, 160)
+    router.index.add("R1", hasher.event_ints(tokens))
+    r3 = router.registry.get("R3").address
+    assert service(router).route(tokens, subset=[r3]).replica.replica_id == "R3"
+    with pytest.raises(NoReplicaError, match="^the endpoint subset is empty$"):
+        service(router).route(tokens, subset=[])
+    with pytest.raises(NoReplicaError, match=r"^no replica of the subset 10\.9\.9\.9:1 is routable$"):
+        service(router).route(tokens, subset=["10.9.9.9:1"])
+
+
+def test_the_service_counts_the_pick_at_route_and_releases_it_at_finish():
+    router = make_router(["R1", "R2"], seed=2)
+    tokens = prompt(23, 100)
+    routed = service(router).route(tokens, exclude=["R1"])
+    assert routed.replica.replica_id == "R2"
+    assert router.load.totals("R2") == (1, 100)  # in flight, uncached prompt tokens pending
+    service(router).prefill_done(routed.ticket)
+    assert router.load.totals("R2") == (1, 0)
+    service(router).finish(routed.ticket)
+    service(router).finish(routed.ticket)  # idempotent: exactly once
+    assert router.load.totals("R2") == (0, 0)
+
+
+def test_the_service_checks_the_request_before_routing_and_names_the_field():
+    router = make_router(["R1"])
+    router.registry.update_from_heartbeat(heartbeat("R1", 0, BlockHasher(block_size=B), max_model_len=64), now=0.0)
+    too_long = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=prompt(24, 64)))
+    with pytest.raises(InvalidRequestError) as err:
+        service(router).checked_ids(too_long)
+    assert classify_error(err.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "64" in str(err.value)
+    with pytest.raises(InvalidRequestError, match="policy"):
+        service(router).set_policy("fastest")
+    assert router.load.totals("R1") == (0, 0)
