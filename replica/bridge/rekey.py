@@ -97,6 +97,14 @@ class Rekeyer:
         """vLLM hashes known now."""
         return len(self._blocks)
 
+    def held(self) -> dict[str, list[int]]:
+        """``medium -> kvroute event ints`` of every block vLLM holds now (a snapshot's content)."""
+        out: dict[str, list[int]] = {}
+        for block in self._blocks.values():
+            for medium in block.copies:
+                out.setdefault(medium, []).append(to_event_int(block.digest))
+        return out
+
     def reset(self) -> None:
         """Forget every block (a new epoch: the server restarted, or the stream could not be repaired)."""
         self._blocks.clear()
