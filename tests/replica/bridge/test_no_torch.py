@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ("replica.bridge", "replica.bridge.vllm_events", "replica.bridge.rekey")
+MODULES = ("replica.bridge", "replica.bridge.vllm_events", "replica.bridge.rekey", "replica.bridge.sequence")
 
 
 def test_the_bridge_imports_neither_torch_nor_the_rest_of_the_replica_package():
