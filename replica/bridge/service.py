@@ -27,6 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import zmq
 
@@ -153,7 +154,8 @@ class VllmBridge:
         num_blocks = config.get("num_gpu_blocks", "0")
         vocab = 0
         if self.settings.model:
-            cfg = read_json_file(f"{self.settings.model.rstrip('/')}/config.json", self.settings.model)
+            folder = Path(self.settings.model)
+            cfg = read_json_file(folder / "config.json", folder)
             vocab = int(cfg.get("vocab_size") or 0)
         self._load = load_from_metrics(metrics, int(num_blocks) if num_blocks.isdigit() else 0)
         self._started_at = next((v for _, v in metrics.get("process_start_time_seconds", ())), None)
