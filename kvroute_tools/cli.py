@@ -70,6 +70,12 @@ def _router(args: argparse.Namespace) -> int:
     return router_main(args.passthrough, prog="kvroute router")
 
 
+def _bridge(args: argparse.Namespace) -> int:
+    from replica.bridge.service import main as bridge_main
+
+    return bridge_main(args.passthrough, prog="kvroute bridge")
+
+
 def _up(args: argparse.Namespace) -> int:
     from kvroute_tools.up import up_main
 
@@ -237,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Same for the router: its flags are RouterSettings', parsed by router.server.main.
     rt = sub.add_parser("router", add_help=False, help="run one router (flags: kvroute router --help)")
     rt.set_defaults(func=_router, passthrough=[])
+    # And the bridge beside a stock vLLM server: BridgeSettings', parsed by replica.bridge.service.main.
+    br = sub.add_parser("bridge", add_help=False,
+                        help="run one bridge beside a vLLM server (flags: kvroute bridge --help)")
+    br.set_defaults(func=_bridge, passthrough=[])
 
     u = sub.add_parser(
         "up", help="run redis + N replicas + a router on this machine until Ctrl-C",
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, after = argv[:i], argv[i + 1:]
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.func in (_replica, _router):
+    if args.func in (_replica, _router, _bridge):
         args.passthrough = rest
     elif rest:
         sub_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(rest)}")
