@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv run test test-vllm proto lint bench clean
+.PHONY: venv vllm run test test-vllm proto lint bench clean
 
 # vLLM on CPU in its own virtualenv, for the tests against a real vLLM server (tests/vllm/, marker
 # vllm): about 3.4 GB. The CPU torch it needs is pinned as above; the CUDA torchvision/torchaudio
@@ -50,6 +50,9 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM_TORCH)" "$(VLLM)"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
+
+# vLLM for `kvroute up --engine vllm` (it finds .venv-vllm in this folder).
+vllm: $(VLLM_VENV)/.installed
 
 # kvroute's router and bridge against a real vLLM server (started by the tests, on loopback).
 test-vllm: venv $(VLLM_VENV)/.installed

