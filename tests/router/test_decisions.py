@@ -1,4 +1,4 @@
-"""Hand-worked routing decisions (router acceptance 1-4): hashing + index + load + the kvroute cost.
+"""Hand-worked routing decisions: hashing + index + load + the kvroute cost.
 
 Numbers: block_size 16, prefill rate 1,000 tokens/s (so 1 token = 1 ms), decode term 2 ms per
 running sequence, prefill-work weight 1 (each uncached token costs 1 ms more), no kv-usage or
