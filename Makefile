@@ -20,7 +20,7 @@ VLLM_TORCH ?= torch==2.13.0+cpu
 
 venv: $(STAMP)
 
-# setup.py builds the three optional C extensions (README, "Compiled parts").
+# setup.py builds the three optional C extensions (docs/internals.md, "Compiled parts").
 $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_index.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_pa
 
 # The cluster on this machine (redis + 4 replicas + router, free ports), the first 1,000 requests of
 # the bundled Mooncake trace replayed under kvroute's policy and round robin (taking turns every 200
-# requests), the table, a clean shutdown. Sized for a 2-core box (README, "make run"): 16 tokens per
+# requests), the table, a clean shutdown. Sized for a 2-core box (docs/results.md, "make run"): 16 tokens per
 # trace block (~430-token prompts), output x0.02 (~7 tokens), 16 requests in flight, 14,336 KV blocks
 # per replica (both policies' working sets); the router's default weights.
 run: venv

@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (default 1: on a shared host, OpenMP barriers over oversubscribed cores made the"
-        " step loop's many small ops up to 10x slower from run to run; 0 = torch's choice)",
+        help="torch CPU threads (default 1: on a shared host, OpenMP barriers over oversubscribed cores make the"
+        " step loop's many small ops far slower and erratic from run to run; 0 = torch's choice)",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64, help="mean prompt length of the decode rows")

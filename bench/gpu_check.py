@@ -20,7 +20,7 @@ Three parts, each printing a table:
 
 ``--dry-run`` runs the same code on the CPU with tiny shapes: the pytest part runs (its CUDA tests
 skip), attention times the torch backend only, the engine runs a tiny model at batch 1 and 4.
-tests/tools/test_gpu_check.py runs it, so the script cannot rot.
+tests/bench/test_gpu_check.py runs it, so the script cannot rot.
 """
 
 from __future__ import annotations

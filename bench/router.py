@@ -43,7 +43,7 @@ Why the router stays on grpc.aio: every Python hop adds, per message, one more l
 the wake-up of a thread in another process, plus grpc's own thread handoffs inside the proxy (aio:
 event-engine thread -> poller thread -> event loop; sync-st: event-engine thread -> handler thread);
 with the replica computing on a core of a small machine, every wake-up waits for a core. The
-``--bare`` designs measure that floor side by side with the router (the README keeps the results):
+``--bare`` designs measure that floor side by side with the router (docs/results.md keeps the results):
 sync-st is cheaper than aio at TTFT, but it serves each stream on a pool thread (long LLM streams x
 threads x one GIL). The router's own share before the upstream call is itemised in router/proxy.py.
 

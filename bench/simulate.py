@@ -6,8 +6,8 @@ One row per policy (columns: metric, value, goal, verdict): the CPU seconds of o
 trace (``kvroute_tools.simulate.cluster.simulate``: every request routed by the real ``Router``,
 decisions included, every step of the real scheduler and KV manager; oracles and trace loading
 not included), its wall seconds, the router's mean decision time, and the virtual time simulated.
-The setting is acceptance 3's: caches holding 25% of the trace's distinct blocks in all, arrivals
-at 70% of the modelled capacity. Goal (issue 13, acceptance 5): <= 60 s on one core. The
+The setting is the simulation table's (docs/results.md): caches holding 25% of the trace's
+distinct blocks in all, arrivals at 70% of the modelled capacity. Goal: <= 60 s on one core. The
 simulation is single-threaded, so its CPU time is its time on one core; the wall time also shows
 what the other processes on the machine took from it (the cores they kept busy are printed).
 """

@@ -151,9 +151,8 @@ class BlockHasher:
     """
 
     # Prompts of fewer full blocks than this are encoded block by block with cbor2: for a handful of
-    # blocks numpy's fixed cost dominates. Measured (one core, per prompt, hot loop / right after a
-    # cache flush, as a router between requests): 4 blocks 9 / 31 us with cbor2 against 22 / 103 us
-    # with numpy; 16 blocks 35 / 60 against 32 / 130; 64 blocks 140 / 174 against 69 / 186.
+    # blocks numpy's fixed cost dominates (with a cold cache, as a router between requests, up to
+    # about this many blocks).
     short_prompt_blocks = 16
 
     def __init__(
@@ -277,7 +276,6 @@ class BlockHasher:
 
 def event_ints_of(digests: Sequence[bytes]) -> list[int]:
     """``to_event_int`` of each digest, read in one numpy pass (faster than a loop)."""
-    # Measured: ~5x faster than [to_event_int(d) for d in digests].
     if not digests:
         return []
     words = len(digests[0]) // 8

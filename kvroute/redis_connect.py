@@ -1,5 +1,5 @@
 """The one way a kvroute process or tool connects to Redis: URL + credentials -> ``redis.Redis``
-(DESIGN.md §4, Security in the README).
+(DESIGN.md §4, docs/security.md).
 
     settings (redis_url, redis_password | redis_password_file, redis_ca_file)
         ──RedisAuth.from_settings──▶ RedisAuth ──connect(url, auth)──▶ redis.Redis

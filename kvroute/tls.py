@@ -1,5 +1,4 @@
-"""gRPC TLS credentials, built in one place for the router, the replica and the tools (Security in
-the README).
+"""gRPC TLS credentials, built in one place for the router, the replica and the tools (docs/security.md).
 
     server side (router and replica ports):  tls_cert_file + tls_key_file [+ tls_client_ca_file = mTLS]
         ──server_credentials──▶ grpc.ServerCredentials ──bind──▶ add_secure_port (else add_insecure_port)

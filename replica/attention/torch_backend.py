@@ -42,11 +42,9 @@ _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 # Bucketing cost model: one more bucket costs about what gathering and attending this many bytes
-# of padding does. Its index_select, SDPA call and row scatter take ~40-80 us on one CPU thread;
-# K/V go through gather + SDPA at ~10 GB/s. For the default model (4 KV heads of 32, fp32) a
-# 16-token block pair is 16 KiB, so up to 64 blocks of padding stay in one bucket. Measured per
-# layer (this code, one thread): 32 decodes of 32-160 tokens 0.84-1.0 ms for 1 to 4 buckets,
-# 64 decodes of 32-914 tokens 8.3-9.7 ms for 3 to 14 buckets: a flat optimum, so coarse is fine.
+# of padding does (a call's fixed cost times the gather's bandwidth). For the default model (4 KV
+# heads of 32, fp32) a 16-token block pair is 16 KiB, so up to 64 blocks of padding stay in one
+# bucket. The step time is flat around the optimum, so a coarse value is fine.
 _BUCKET_OVERHEAD_BYTES = 2**20
 # A bucket's gather is capped at this many bytes (a single longer request still gets its own
 # bucket): it bounds the reusable gather buffer, which a step with many long decodes would
@@ -86,7 +84,6 @@ class DecodePlan:
 def build_decode_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype) -> DecodePlan:
     """Bucket the step's decodes (module docstring). Host-side numpy; ``TorchAttentionBackend``
     caches the plan on the metadata, so it runs once per step."""
-    # Measured: ~60 us for 32 decodes.
     _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     qsl = metadata.query_start_loc_cpu.numpy()
     seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
@@ -181,36 +178,12 @@ class TorchAttentionBackend(AttentionBackend):
     the query axis (``[n, Hkv, group, D]``) so K/V are never repeated. Prefill chunks run one call
     each, with SDPA's ``enable_gqa`` (torch >= 2.5) or ``repeat_interleave``.
 
-    Why this shape (measured alternatives in the comment below): batching decodes per length
-    bucket beats one SDPA call per decode; one padded bucket for all loses to the extra bytes
-    copied; reading the blocks in place (the C kernel) beats any gather.
+    Why this shape: batching decodes per length bucket beats one SDPA call per decode; one padded
+    bucket for all loses to the extra bytes copied (and a gather that large is a fresh mmap, page
+    faults included, on every call); reading the blocks in place (the C kernel) beats any gather,
+    which is why ``_cpu_paged.c`` takes CPU float32 decodes whenever it was built. The gather path
+    stays for other dtypes and devices, and for installs without a C compiler.
     """
-
-    # Measured on one CPU thread (block_size 16, 8/4 heads of 32, fp32), per layer including the
-    # cache write: 32 decodes of 32-160 tokens 1.9-2.1 ms looped vs 1.2-1.3 ms batched; 64 decodes
-    # of 32-914 tokens 11.0-11.4 ms looped vs 8.3-9.1 ms in length buckets. A previous attempt
-    # batched into ONE padded bucket and lost (37 ms for the second case, reproduced): every row
-    # padded to the longest doubles the bytes copied, and a 60 MB gather, above glibc's largest mmap
-    # threshold (32 MiB), was a fresh mmap each call, page-faulting at 2 GB/s (28.6 ms of the 37).
-    # Not the cause: SDPA with an additive mask stays on the CPU flash kernel, and GQA as the query
-    # axis repeats nothing. Matmul + masked softmax (1.2x-3x slower) and SDPA's math backend (3.5x)
-    # lost to the flash kernel at these sizes.
-    #
-    # Re-measured at the engine bench's batch 32 (decodes of 32-160 tokens, 4 layers: gather 1.35 ms
-    # and SDPA 2.1 ms a step), alternating variants in one process. Lost: (1) a dense decode cache,
-    # each layer keeping its decodes' K/V head-major across steps and appending one token a step
-    # instead of gathering: no gain even when 61 of 63 steps reused it (attention 3.7 vs 3.5 ms a
-    # step), since the 4 MB a layer reads from DRAM only moves from the gather into SDPA (760 us a
-    # call on the dense buffer vs 450 us on the just-gathered, cache-hot scratch); with length buckets
-    # changing every few steps it lost (5.2 vs 4.0 ms). (2) Matmul attention on the scratch, one bmm
-    # per KV head: 2,318 vs 2,677 tok/s. (3) Gathering head-major (``index_select`` into a permuted
-    # ``out``): the gather alone 2x slower. (4) All KV heads as one block-diagonal 128-dim head (one
-    # SDPA task per request instead of per head): 8% faster per layer in isolation, but KV-heads-times
-    # the FLOPs in general; not kept. What would win is reading the blocks in place: a naive C++ loop
-    # over the block table (``torch.utils.cpp_extension``) took 900 vs 1,500 us a layer for 32 decodes
-    # of 100-150 tokens on a busy host. That is now ``_cpu_paged.c`` (module docstring), used for
-    # CPU float32 decodes whenever it was built; the gather path above stays for other dtypes and
-    # devices, and for installs without a C compiler.
 
     name = "torch"
 
@@ -270,7 +243,7 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
                 blocks = metadata.block_table[i, : -(-seq_len // block_size)]
-                # index_select on whole blocks copies at memcpy speed (advanced indexing was ~2x slower).
+                # index_select on whole blocks copies at memcpy speed; advanced indexing is slower.
                 k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 k, v = k.to(query.dtype), v.to(query.dtype)
@@ -345,9 +318,6 @@ class TorchAttentionBackend(AttentionBackend):
         """A [num_blocks, B, Hkv, D] view of the reusable gather buffer (grown on demand; every
         layer and bucket shares it, SDPA has consumed it before the next gather). A fresh tensor
         per gather page-faults on every call once the gathers are large."""
-        # Measured: 64 decodes of 32-914 tokens, 63 ms per layer with fresh buffers (~7k page faults
-        # per step) against 29 ms with this one, same process, busy host; at 32 decodes of ~100
-        # tokens the two measure the same.
         shape = (num_blocks, *flat_cache.shape[1:])
         numel = num_blocks * flat_cache[0].numel()
         buf = self._scratch

@@ -17,4 +17,10 @@ loop in the engine process), ``core_messages`` (what crosses). ``step_hook`` is 
 side (load sample, KV events to the publisher). May import ``kvroute``, ``replica.kv``,
 ``replica.model``, ``replica.attention``, and (``step_hook`` only) ``replica.publisher`` and
 ``replica.telemetry``; never ``router``.
+
+Modules: ``engine`` (LLMEngine, the step), ``scheduler``, ``runner`` (the forward pass),
+``sampling``, ``detokenizer`` and ``stop``, ``request`` and ``params`` (per-request state),
+``config`` (settings, KV cache sizing) with ``profiling`` (the activation memory), ``cuda_graphs``
+(decode steps replayed as CUDA graphs), ``step_rates`` (the measured speed the heartbeat carries),
+``remote_publisher`` (the server's stand-in for the engine process's publisher), ``errors``.
 """

@@ -60,8 +60,6 @@ class FreeKVCacheBlockQueue:
         Walks the ``n`` nodes once and relinks the head a single time (a call per block costs
         several times more; bench/kv_manager.py times the pool).
         """
-        # Measured with 64-block batches: popleft_n + append_n/prepend_n ~60 ns per block against
-        # 200-300 ns for one popleft + append/appendleft call per block.
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out: list[KVCacheBlock] = []

@@ -152,8 +152,8 @@ class KVCacheManager:
         if end <= start:
             return
         if end - start <= _SHORT_RANGE:
-            # A decode checks its one new token every step: plain Python on a short slice costs
-            # ~0.3 us where numpy's asarray + min + max cost ~7 us. Anything unusual (a non-int
+            # A decode checks its one new token every step: plain Python on a short slice is far
+            # cheaper than numpy's asarray + min + max. Anything unusual (a non-int
             # type, an id out of range) takes the numpy path, which raises the error.
             vocab = self.vocab_size if self.vocab_size is not None else _NO_LIMIT
             for tok in request.all_token_ids[start:end]:
@@ -163,9 +163,9 @@ class KVCacheManager:
                 return
         ids = request.all_token_ids[start:end]
         try:
-            # array('Q') converts a list ~3x faster than np.asarray, and the conversion itself
-            # refuses non-integers (TypeError) and negative ids (OverflowError): only the
-            # vocabulary's upper bound is left to check (~2x faster than array('q') + min + max).
+            # array('Q') converts a list faster than np.asarray, and the conversion itself refuses
+            # non-integers (TypeError) and negative ids (OverflowError): only the vocabulary's
+            # upper bound is left to check.
             top = int(np.frombuffer(array("Q", ids), dtype=np.uint64).max())
         except TypeError as e:
             raise KVCacheError(f"request {request.request_id!r}: token ids must be integers") from e

@@ -45,8 +45,8 @@ INTERMEDIATE_SIZE = 688
 NUM_LAYERS = 4
 NUM_HEADS = 8
 NUM_KV_HEADS = 4
-# 8192 holds every prompt of the bundled trace with 32 tokens per hash id (the longest is 7,925
-# tokens with its output), the workload the peer routers were measured on (README).
+# 8192 holds every prompt of the bundled trace with 32 tokens per hash id, output included: the
+# workload the peer routers were measured on (docs/results.md).
 # RoPE needs nothing more: its cos/sin table is computed on demand up to the longest sequence.
 MAX_POSITION_EMBEDDINGS = 8192
 # config.json keys whose value changed between revisions of the generated model (4096 positions

@@ -24,4 +24,7 @@ response headers, which would hold every call's first bytes for a picker answer)
 endpoint is a routable replica inside the ``x-gateway-destination-endpoint-subset`` hint when one
 is given; the load a pick adds is released when the HTTP stream ends, however it ends. The bytes of
 the generation never pass through the router.
+
+Modules: ``protocol`` (the protocol's messages, no I/O), ``requests`` (the prompt from the body),
+``servicer`` (one stream's pick, load and trailers), ``server`` (the thread-pool gRPC server).
 """

@@ -3,9 +3,9 @@ router's ``picker_port`` (the Gateway API Inference Extension's EPP convention: 
 of its own, 9002), apart from the router's grpc.aio server.
 
 Why a synchronous ``grpc.server`` on a thread pool: the pick is one message answered from memory,
-and measured behind a real Envoy a thread pool answers it for less CPU per call than grpc.aio's
-event loop, at about the same latency (README.md, "Envoy in front", has the numbers: the hop to a
-second process costs the time, whatever the framework). The cost is a thread per stream: an ext_proc stream lives
+and behind a real Envoy a thread pool answers it for less CPU per call than grpc.aio's event loop,
+at about the same latency (docs/results.md: the hop to a second process costs the time, whatever
+the framework). The cost is a thread per stream: an ext_proc stream lives
 as long as its HTTP call (the picker counts the call in flight until it ends), so ``max_streams``
 bounds the calls a router can have in flight through the gateway. Beyond it the server refuses the
 new stream at once (RESOURCE_EXHAUSTED; the gateway answers its client 503 / UNAVAILABLE, and

@@ -21,10 +21,10 @@ to the first byte): the body comes first, with :path and content-type as its req
 the trailers message the stream still lasts until the HTTP stream ends (Envoy closes it then).
 
 The response headers are not asked for: Envoy would hold the first bytes until the picker
-answered, a Python wake-up on every call's time to first token (measured: most of what the picker
-added). So the prompt's share of the replica's pending prefill (``LoadTracker``) is not released at
-the first byte, as the proxy does, but once a heartbeat the replica wrote at least
-``_COVERED_AFTER_S`` after the pick is in the registry: its ``queued_prefill_tokens`` then counts
+answered, a Python wake-up on every call's time to first token. So the prompt's share of the
+replica's pending prefill (``LoadTracker``) is not released at the first byte, as the proxy
+does, but once a heartbeat the replica wrote at least ``_COVERED_AFTER_S`` after the pick is in
+the registry: its ``queued_prefill_tokens`` then counts
 the prompt if it still waits (the decision takes the larger of the two), or no longer does.
 
 Errors never leave the picker as a gRPC error of its own (Envoy would answer the client 500): a

@@ -5,7 +5,7 @@ where the chart mounts it. The exec probes run as declared and must pass over TL
 command exits 0; a generation goes through the router to the replica over mTLS on both hops; a
 plaintext client and a client without a certificate are refused.
 
-Static discovery, as the README asks for with TLS; the local DNS maps the pods' names to loopback
+Static discovery, as docs/security.md asks for with TLS; the local DNS maps the pods' names to loopback
 IPs, so the one certificate names the router Service and the pods' IPs (in a cluster: the pods'
 DNS names, ``*.<fullname>-replica.<namespace>.svc``).
 """
@@ -54,7 +54,7 @@ def test_the_rendered_release_runs_over_mutual_tls(tmp_path: Path):
         ca = TestCA(tmp_path, "kvroute-ca")
         cert, key = ca.issue("kvroute", dns_names=(ROUTER,), ips=(replica.ip, router.ip), loopback=False)
         local.secrets["kvr-tls"] = {"tls.crt": Path(cert).read_text(), "tls.key": Path(key).read_text(),
-                                    "ca.crt": ca.file.read_text()}  # kubectl create secret ... (README)
+                                    "ca.crt": ca.file.read_text()}  # kubectl create secret ... (docs/security.md)
 
         local.start(redis_pod)
         local.wait_started_and_ready(redis_pod, "redis")

@@ -1,4 +1,4 @@
-"""A real cluster on loopback (router acceptance 7; DESIGN.md §5): one redis-server, three
+"""A real cluster on loopback (DESIGN.md §5): one redis-server, three
 ``python -m replica`` processes and two ``python -m router`` processes.
 
 - 30 requests sharing a 512-token prefix, split across both routers (a concurrent burst on router

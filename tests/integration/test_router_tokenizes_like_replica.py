@@ -1,4 +1,4 @@
-"""The router tokenizes exactly as the replica does (router acceptance 5; kvroute/prompt.py, DESIGN.md §5).
+"""The router tokenizes exactly as the replica does (kvroute/prompt.py, DESIGN.md §5).
 
 For a corpus of chat bodies and text prompts, the router's token ids equal the ids the replica
 computes from the same request (its own ``ReplicaFrontend.prompt_ids`` + the engine's

@@ -1,4 +1,4 @@
-"""kvroute.process: where a server process's Prometheus endpoint listens (issue 15, defect 6).
+"""kvroute.process: where a server process's Prometheus endpoint listens.
 
 The router's and the replica's real entry points (``ServerMain.serve`` with their settings) are run
 with a probe in place of the gRPC server: its ``start`` reads where the endpoint that ``serve`` set

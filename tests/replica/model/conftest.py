@@ -30,11 +30,5 @@ def hf_default(default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(default_model_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="session")
 def prompt_ids(ours_default) -> list[list[int]]:
     return [ours_default.tokenizer.encode(p) for p in PROMPTS]

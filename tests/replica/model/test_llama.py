@@ -3,7 +3,7 @@
 Prefill logits must match transformers to 1e-4 and greedy decoding through the paged KV cache
 (``_support.PagedRunner``) must be token-identical to ``generate(do_sample=False)``. Tiny random
 Qwen2 / Mistral / Llama checkpoints are in test_checkpoints.py, config parsing and load errors in
-test_config.py, the tokenizer in test_tokenizer.py, the default model's files in
+test_config.py, the tokenizer in tests/kvroute/test_tokenizer.py, the default model's files in
 test_default_model.py.
 """
 

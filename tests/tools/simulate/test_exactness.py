@@ -1,4 +1,4 @@
-"""Acceptance 1 of issue 13: the simulator reproduces the oracles exactly where they must agree, and
+"""The simulator reproduces the oracles exactly where they must agree, and
 a hand-worked case of three requests gets the TTFTs the timing model gives.
 
 The oracles apply the engine's lookup rule (the last prompt token is always recomputed), so they

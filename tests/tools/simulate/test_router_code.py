@@ -1,4 +1,4 @@
-"""Acceptance 2 of issue 13: the simulator decides with the router's own code: swapping a scorer
+"""The simulator decides with the router's own code: swapping a scorer
 of the kvroute policy changes the picks, and the peer policies run through the same Router."""
 
 from __future__ import annotations

@@ -13,7 +13,18 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from kvroute.tokenizer import ChatTemplateError, Tokenizer  # noqa: E402
 from tests.replica.model._support import PROMPTS  # noqa: E402
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_folder(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(default_model_dir)
+
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there!"}],
@@ -28,31 +39,29 @@ CONVERSATIONS = [
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours_default, hf_tokenizer, add_generation_prompt):
+def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, add_generation_prompt):
     for conversation in CONVERSATIONS:
-        ours = ours_default.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        ours = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         theirs = hf_tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         assert ours == theirs
-        assert ours_default.tokenizer.encode(ours, add_special_tokens=False) == hf_tokenizer(
+        assert tokenizer.encode(ours, add_special_tokens=False) == hf_tokenizer(
             ours, add_special_tokens=False
         ).input_ids
 
 
-def test_chat_template_rejects_unknown_roles_like_transformers(ours_default, hf_tokenizer):
-    from replica.model import ChatTemplateError
-
+def test_chat_template_rejects_unknown_roles_like_transformers(tokenizer, hf_tokenizer):
     bad = [{"role": "tool", "content": "x"}]
     with pytest.raises(ChatTemplateError, match="roles must be system, user or assistant"):
-        ours_default.tokenizer.apply_chat_template(bad)
+        tokenizer.apply_chat_template(bad)
     with pytest.raises(Exception, match="roles must be system, user or assistant"):
         hf_tokenizer.apply_chat_template(bad, tokenize=False)
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
-def test_encode_and_decode_match_transformers(ours_default, hf_tokenizer, add_special_tokens):
-    tok = ours_default.tokenizer
+def test_encode_and_decode_match_transformers(tokenizer, hf_tokenizer, add_special_tokens):
+    tok = tokenizer
     texts = [*PROMPTS, "", " leading space", "<|begin_of_text|>inline special<|eot_id|>", "line\n\n  tabs\t."]
     for text in texts:
         ids = tok.encode(text, add_special_tokens=add_special_tokens)
@@ -61,8 +70,8 @@ def test_encode_and_decode_match_transformers(ours_default, hf_tokenizer, add_sp
             assert tok.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-def test_tokenizer_special_ids(ours_default, hf_tokenizer):
-    tok = ours_default.tokenizer
+def test_tokenizer_special_ids(tokenizer, hf_tokenizer):
+    tok = tokenizer
     assert tok.bos_token_id == hf_tokenizer.bos_token_id
     assert tok.eos_token_ids[0] == hf_tokenizer.eos_token_id
     assert tok.eos_token_ids == (hf_tokenizer.eos_token_id, hf_tokenizer.convert_tokens_to_ids("<|eot_id|>"))
@@ -73,7 +82,7 @@ def test_tokenizer_special_ids(ours_default, hf_tokenizer):
 
 def test_tokenizer_module_imports_no_torch():
     code = "import sys, kvroute.tokenizer, kvroute.model_folder; assert 'torch' not in sys.modules, 'torch'"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
 
 
@@ -83,8 +92,6 @@ def test_tokenizer_module_imports_no_torch():
     ids=["absent", "no_bos", "bos_and_eos", "eos_only"],
 )
 def test_tokenizer_json_alone_decides_bos_and_eos_like_transformers(tmp_path, default_model_dir, flags):
-    from replica.model import Tokenizer
-
     raw = json.loads((default_model_dir / "tokenizer_config.json").read_text())
     raw = {k: v for k, v in raw.items() if k not in ("add_bos_token", "add_eos_token")} | flags
     shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
