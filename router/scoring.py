@@ -62,7 +62,7 @@ class ScoringWeights:
     prefill_tokens_per_s: float | None = None  # a replica's prefill throughput, tokens/s: overrides the measured
     decode_seconds_per_running: float | None = None  # TTFT added per running sequence (decode interference), s
     # 30 and 2: chosen on `kvroute simulate` (8-64 modelled H100 replicas), checked on `make run`
-    # (4 CPU replicas on 2 cores) and the peers' workload, one default for all (README, "Simulating a cluster").
+    # (4 CPU replicas on 2 cores) and the peers' workload, one default for all (docs/results.md).
     prefill_work_weight: float = 30.0  # weight of the prefill work this request adds to the cluster
     backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
     cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)

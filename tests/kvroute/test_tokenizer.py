@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from kvroute.tokenizer import ChatTemplateError, Tokenizer  # noqa: E402
 from tests.replica.model._support import PROMPTS  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir) -> Tokenizer:
     return Tokenizer.from_folder(default_model_dir)
