@@ -56,7 +56,7 @@ vllm: $(VLLM_VENV)/.installed
 
 # kvroute's router and bridge against a real vLLM server (started by the tests, on loopback).
 test-vllm: venv $(VLLM_VENV)/.installed
-	KVROUTE_REQUIRE_VLLM=1 KVROUTE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+	KVROUTE_REQUIRE_VLLM=1 KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 proto: venv
 	$(PY) -m kvroute.proto_gen

@@ -80,7 +80,7 @@ def vllm_env(python: str) -> dict[str, str]:
     preloaded when its venv has it (each overridden by setting it)."""
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
+    iomp = Path(os.path.abspath(python)).parents[1] / "lib" / "libiomp5.so"
     if iomp.exists() and "LD_PRELOAD" not in os.environ:
         env["LD_PRELOAD"] = str(iomp)
     return env

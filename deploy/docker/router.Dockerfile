@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # The router image: slim Python and the router's install set ('.[router]': no torch, no
-# matplotlib, no transformers). Build from the repository root (the context; see .dockerignore):
+# matplotlib, no transformers), plus `kvroute bridge` ('.[bridge]', the chart's sidecar beside a
+# vLLM server: replica/bridge and the Redis publisher it shares, no engine). Build from the repository root (the context; see .dockerignore):
 #   docker build -f deploy/docker/router.Dockerfile -t kvroute-router .
 # Run: docker run -p 50050:50050 kvroute-router --redis-url redis://HOST:6379/0 --model /models/NAME
 # (every flag is also a KVROUTE_* variable: python -m router --help).
@@ -19,8 +20,11 @@ COPY pyproject.toml setup.py README.md ./
 COPY kvroute/ kvroute/
 COPY router/ router/
 COPY kvroute_tools/ kvroute_tools/
-# replica/ stays out: the router never imports it (its optional C extension is skipped)
-RUN pip install ".[router]"
+# The rest of replica/ stays out: the router never imports it (its optional C extension is skipped)
+COPY replica/__init__.py replica/__init__.py
+COPY replica/bridge/ replica/bridge/
+COPY replica/publisher/ replica/publisher/
+RUN pip install ".[router,bridge]"
 
 # -- runtime: the virtualenv alone, as a non-root user -------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim

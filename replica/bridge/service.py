@@ -52,6 +52,7 @@ from replica.publisher import EventPublisher, make_publisher
 log = logging.getLogger(__name__)
 
 _HTTP_TIMEOUT_S = 5.0
+_PROBE_RETRY_S = 1.0
 
 
 class BridgeRefusedError(RuntimeError):
@@ -202,9 +203,24 @@ class VllmBridge:
 
     # -- the loop --------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Probe the server and open the first epoch (an empty one: vLLM's cache is read from its
-        events from here on)."""
-        self._info = self.probe()
+        """Probe the server (waiting while it does not answer yet: a sidecar starts beside it) and
+        open the first epoch (an empty one: vLLM's cache is read from its events from here on).
+
+        Raises:
+            BridgeRefusedError: see :meth:`probe` (at once, not retried).
+        """
+        waited = False
+        while True:
+            try:
+                self._info = self.probe()
+                break
+            except (OSError, ValueError) as e:  # not up yet (refused, reset, a half-started server's answer)
+                if self._stop.is_set():
+                    return  # stopped before the server came up: nothing was published
+                if not waited:
+                    log.info("bridge %s: waiting for vLLM at %s (%s)", self.replica_id, self.settings.vllm_url, e)
+                    waited = True
+                self._stop.wait(_PROBE_RETRY_S)
         self._new_epoch()
 
     def _replay(self, start: int) -> list[tuple[int, VllmBatch]] | None:
@@ -240,6 +256,24 @@ class VllmBridge:
             decision = self.sequencer.replay_failed() if got is None else self.sequencer.replayed(got)
             self._apply(decision)
 
+    def handle(self, frames: Sequence[bytes]) -> None:
+        """One message of vLLM's PUB socket: decoded, sequenced, and what is now in order
+        published; a gap is filled from the replay socket before this returns.
+
+        Raises:
+            BridgeRefusedError: an event the router could not key the same way.
+        """
+        try:
+            batch = decode_message(frames)
+        except VllmEventDecodeError as e:
+            log.error("bridge %s: dropped an undecodable message (%s); asking for a replay", self.replica_id, e)
+            start = self.sequencer.begin_replay()
+            if start is not None:
+                got = self._replay(start)
+                self._follow(self.sequencer.replay_failed() if got is None else self.sequencer.replayed(got))
+            return
+        self._follow(self.sequencer.live(batch.seq, batch))
+
     def run(self) -> None:
         """Follow the server's events until :meth:`stop` (call :meth:`start` first)."""
         s = self.settings
@@ -251,18 +285,7 @@ class VllmBridge:
         try:
             while not self._stop.is_set():
                 if sub.poll(int(max(next_load - time.monotonic(), 0.0) * 1000) + 1):
-                    frames = sub.recv_multipart()
-                    try:
-                        batch = decode_message(frames)
-                    except VllmEventDecodeError as e:
-                        log.error("bridge %s: dropped an undecodable message (%s); asking for a replay",
-                                  self.replica_id, e)
-                        start = self.sequencer.begin_replay()
-                        if start is not None:
-                            got = self._replay(start)
-                            self._follow(self.sequencer.replay_failed() if got is None else self.sequencer.replayed(got))
-                        continue
-                    self._follow(self.sequencer.live(batch.seq, batch))
+                    self.handle(sub.recv_multipart())
                 if time.monotonic() >= next_load:
                     next_load = time.monotonic() + s.heartbeat_interval
                     self._refresh_load()
@@ -288,6 +311,10 @@ class VllmBridge:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
@@ -300,12 +327,13 @@ async def serve(settings: BridgeSettings) -> None:
     import signal
 
     bridge = VllmBridge(settings)
-    await asyncio.to_thread(bridge.start)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, bridge.stop)
     try:
-        await asyncio.to_thread(bridge.run)
+        await asyncio.to_thread(bridge.start)
+        if not bridge.stopped:
+            await asyncio.to_thread(bridge.run)
     finally:
         bridge.stop()
         bridge.close()

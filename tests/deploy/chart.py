@@ -74,9 +74,11 @@ def env_of(c: dict) -> dict[str, Any]:
 
 
 def known_settings(component: str) -> set[str]:
-    """The ``KVROUTE_*`` variables the router's or replica's settings read."""
+    """The ``KVROUTE_*`` variables the router's, replica's or bridge's settings read."""
     if component == "router":
         from router.settings import RouterSettings as cls
+    elif component == "bridge":
+        from replica.bridge.settings import BridgeSettings as cls
     else:
         from replica.settings import ReplicaSettings as cls
     return {"KVROUTE_" + f.name.upper() for f in dataclasses.fields(cls)}
@@ -90,7 +92,7 @@ def unknown_kvroute_env(docs: list[dict]) -> list[str]:
         if d["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for c in pod_spec(d)["containers"]:
-            if c["name"] not in ("router", "replica"):
+            if c["name"] not in ("router", "replica", "bridge"):
                 continue
             known = known_settings(c["name"])
             bad += [f"{d['metadata']['name']}/{c['name']}: {n}" for n in env_of(c)

@@ -43,9 +43,16 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
-def program(command: list[str]) -> list[str]:
-    """A container's command with the image's programs replaced by this machine's."""
+def program(command: list[str], image: str = "") -> list[str]:
+    """A container's command with the image's programs replaced by this machine's (a vLLM image's
+    ``python``: the interpreter that has vllm, tests.vllm.conftest.vllm_python)."""
     head, rest = command[0], command[1:]
+    if head == "python" and "vllm" in image.rsplit("/", 1)[-1]:
+        from tests.vllm.conftest import vllm_python
+
+        python = vllm_python()
+        assert python is not None, "a vLLM image's container needs vLLM here (make test-vllm)"
+        return [python, *rest]
     if head == "kvroute":
         return [sys.executable, "-m", "kvroute_tools", *rest]
     if head == "python":
@@ -210,7 +217,8 @@ class LocalCluster:
         base = self.base_env(mounts.get("/tmp", pod.root))
         log = open(pod.root / f"{c['name']}.log", "wb")  # noqa: SIM115 - closed with the process
         try:
-            return subprocess.Popen(program(argv), env={**base, **env}, stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(program(argv, c.get("image", "")), env={**base, **env}, stdout=log,
+                                    stderr=subprocess.STDOUT,
                                     cwd=pod.root)
         finally:
             log.close()

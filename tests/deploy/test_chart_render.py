@@ -53,6 +53,10 @@ MATRIX = {
     "gateway-inference-pool": {"gateway": {"mode": "inferencePool"}, "router": {"discovery": "redis"}},
     "tls": {"tls": {"enabled": True, "existingSecret": "kvr-tls"}, "router": {"discovery": "static"}},
     "tls-mutual": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
+    "vllm-replicas": {"replica": {"engine": "vllm", "vllm": {"extraArgs": ["--max-model-len", "4096"]}}},
+    "vllm-static": {"replica": {"engine": "vllm"}, "router": {"discovery": "static"}},
+    "vllm-inference-pool": {"replica": {"engine": "vllm"}, "router": {"discovery": "redis"},
+                            "gateway": {"mode": "inferencePool"}},
 }
 
 
@@ -369,3 +373,36 @@ def test_the_gateway_modes_are_proxy_envoy_and_inference_pool_with_proxy_the_def
 def test_a_setting_the_programs_do_not_read_is_caught():
     docs = render({"replica": {"settings": {"max_num_seq": 8}}, "router": {"settings": {"polcy": "random"}}})
     assert sorted(unknown_kvroute_env(docs)) == [f"{REPLICA}/replica: KVROUTE_MAX_NUM_SEQ", f"{ROUTER}/router: KVROUTE_POLCY"]
+
+
+def test_engine_vllm_runs_vllm_and_a_bridge_that_the_routers_find_on_the_http_port():
+    docs = render(MATRIX["vllm-replicas"])
+    sts = find(docs, "StatefulSet", f"{FULLNAME}-replica")
+    vllm, bridge = pod_spec(sts)["containers"]
+    assert (vllm["name"], bridge["name"]) == ("vllm", "bridge")
+    args = vllm["args"]
+    assert args[args.index("--block-size") + 1] == "16"  # cluster.blockSize: the router's too
+    assert args[args.index("--served-model-name") + 1] == "kvroute-tiny-llama"
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
+    assert args[-2:] == ["--max-model-len", "4096"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert vllm["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    env = {e["name"]: e.get("value") for e in bridge["env"]}
+    assert env["KVROUTE_VLLM_URL"] == "http://$(POD_IP):8000" and env["KVROUTE_ADVERTISE_ADDRESS"] == "$(POD_IP):8000"
+    assert bridge["command"] == ["kvroute", "bridge"]
+    service = find(docs, "Service", f"{FULLNAME}-replica")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    router = find(docs, "Deployment", f"{FULLNAME}-router")
+    renv = {e["name"]: e.get("value") for e in pod_spec(router)["containers"][0]["env"]}
+    assert renv["KVROUTE_K8S_PORT_NAME"] == "http" and renv["KVROUTE_BLOCK_SIZE"] == "16"
+    static = find(render(MATRIX["vllm-static"]), "Deployment", f"{FULLNAME}-router")
+    senv = {e["name"]: e.get("value") for e in pod_spec(static)["containers"][0]["env"]}
+    assert senv["KVROUTE_REPLICAS"].split(",")[0] == f"{FULLNAME}-replica-0.{FULLNAME}-replica.{NAMESPACE}.svc:8000"
+    pool = find(render(MATRIX["vllm-inference-pool"]), "InferencePool", "kvr-kvroute")
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}] and "appProtocol" not in pool["spec"]
+
+
+def test_engine_vllm_with_tls_is_refused_naming_both():
+    with pytest.raises(Exception, match="replica.engine vllm"):
+        render({"replica": {"engine": "vllm"}, "tls": {"enabled": True, "existingSecret": "kvr-tls"}})

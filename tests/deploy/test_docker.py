@@ -129,12 +129,15 @@ def test_the_build_context_leaves_out_the_repository_s_other_parts(context):
     assert not list(DOCKER.glob("*.dockerignore"))  # one ignore file, at the context's root
 
 
-def test_the_router_image_installs_the_router_extra_and_no_torch():
+def test_the_router_image_installs_the_router_and_bridge_extras_and_no_torch():
     all_stages = stages("router")
     assert final_base(all_stages).endswith("-slim")
     runs = " ".join(v for s in all_stages for i, v in s.instructions if i == "RUN")
-    assert re.search(r'pip install "\.\[router\]"', runs)
-    assert "torch" not in runs and "replica" not in " ".join(copy_sources(all_stages))
+    assert re.search(r'pip install "\.\[router,bridge\]"', runs)
+    assert "torch" not in runs
+    # Of replica/, only what `kvroute bridge` runs: the package marker, the bridge, the Redis publisher.
+    assert sorted(c for c in copy_sources(all_stages) if c.startswith("replica")) == [
+        "replica/__init__.py", "replica/bridge/", "replica/publisher/"]
 
 
 def test_the_replica_image_is_cuda_torch_on_the_cuda_runtime_with_flash_attn_as_a_build_argument():

@@ -32,7 +32,7 @@ def vllm_python() -> str | None:
     """The interpreter with vllm installed: KVROUTE_VLLM_PYTHON, else .venv-vllm (make test-vllm)."""
     given = os.environ.get("KVROUTE_VLLM_PYTHON")
     if given:
-        return given
+        return os.path.abspath(given)  # not resolved: a venv's python is a symlink out of the venv
     default = ROOT / ".venv-vllm" / "bin" / "python"
     return str(default) if default.exists() else None
 
@@ -73,8 +73,10 @@ class VllmServer:
                    if line.startswith(name) and not line.startswith("#") and line[len(name)] in "{ ")
 
 
-def start_vllm(model_dir: Path, log: Path, *, extra_env: dict[str, str] | None = None) -> VllmServer:
-    """Start vLLM on free loopback ports and wait for /health.
+def start_vllm(model_dir: Path, log: Path, *, extra_env: dict[str, str] | None = None,
+               ports: tuple[int, int, int] | None = None, events_config: dict | None = None) -> VllmServer:
+    """Start vLLM on free loopback ports (or ``ports``: HTTP, events, replay) and wait for /health;
+    ``events_config`` adds to its kv-events-config (e.g. ``buffer_steps``, the replay buffer's length).
 
     Raises:
         RuntimeError: vLLM did not become healthy within START_TIMEOUT_S (its log's tail says why).
@@ -84,13 +86,13 @@ def start_vllm(model_dir: Path, log: Path, *, extra_env: dict[str, str] | None =
         if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
             pytest.fail("vLLM is not installed: run `make test-vllm` (it makes .venv-vllm)")
         pytest.skip("vLLM is not installed (make test-vllm installs it into .venv-vllm)")
-    port, pub, replay = free_port(), free_port(), free_port()
+    port, pub, replay = ports or (free_port(), free_port(), free_port())
     events = f"tcp://127.0.0.1:{pub}"
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
+              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv", **(events_config or {})}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
            **(extra_env or {})}
-    iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
+    iomp = Path(os.path.abspath(python)).parents[1] / "lib" / "libiomp5.so"
     if iomp.exists():  # vllm-cpu's OpenMP runtime, as its docs preload it
         env["LD_PRELOAD"] = str(iomp)
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -98,7 +100,7 @@ def start_vllm(model_dir: Path, log: Path, *, extra_env: dict[str, str] | None =
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enable-prefix-caching",
            "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--max-num-seqs", "8",
            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(config)]
-    out = log.open("wb")
+    out = log.open("ab")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = VllmServer(f"127.0.0.1:{port}", model_dir.name, events, f"tcp://127.0.0.1:{replay}", proc, log)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -113,6 +115,15 @@ def start_vllm(model_dir: Path, log: Path, *, extra_env: dict[str, str] | None =
     stop_vllm(server)
     tail = log.read_text(errors="replace")[-3000:]
     raise RuntimeError(f"vLLM did not start within {START_TIMEOUT_S:.0f} s:\n{tail}")
+
+
+def restart_vllm(server: VllmServer, model_dir: Path) -> VllmServer:
+    """Stop ``server`` and start a new vLLM on the same ports (a server restart: seq back to 0, an
+    empty prefix cache)."""
+    stop_vllm(server)
+    ports = (int(server.address.rsplit(":", 1)[1]), int(server.events.rsplit(":", 1)[1]),
+             int(server.replay.rsplit(":", 1)[1]))
+    return start_vllm(model_dir, server.log, ports=ports)
 
 
 def stop_vllm(server: VllmServer) -> None:
@@ -132,4 +143,4 @@ def vllm_server(default_model_dir, tmp_path_factory):
     stop_vllm(server)
 
 
-__all__ = ["BLOCK_SIZE", "VllmServer", "start_vllm", "stop_vllm"]
+__all__ = ["BLOCK_SIZE", "VllmServer", "restart_vllm", "start_vllm", "stop_vllm"]

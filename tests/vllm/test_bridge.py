@@ -7,9 +7,11 @@ size is refused naming both."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
+import zmq
 
 from kvroute.hashing import BlockHasher
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -20,7 +22,7 @@ from replica.bridge.settings import BridgeSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import wait_for
-from tests.vllm.conftest import BLOCK_SIZE
+from tests.vllm.conftest import BLOCK_SIZE, restart_vllm, start_vllm, stop_vllm
 
 T = 120.0
 B = BLOCK_SIZE
@@ -123,6 +125,62 @@ def test_a_bridge_started_late_fills_the_history_from_vllms_replay(router, redis
         late.close()
 
 
+def test_a_dropped_message_is_filled_from_vllms_replay(router, redis_server, vllm_server, default_model_dir):
+    # A bridge fed by hand from its own subscription, one message dropped on the way.
+    b = VllmBridge(bridge_settings(redis_server, vllm_server, default_model_dir, replica_id="vllm-drop"))
+    b.start()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(vllm_server.events)
+    try:
+        time.sleep(1.0)  # the subscription reaches vLLM's PUB socket
+        prompts = [prompt(20 + i, 2 * B) for i in range(3)]
+        frames = []
+        for p in prompts:
+            direct(vllm_server, p)
+            while sub.poll(3000):
+                frames.append(sub.recv_multipart())
+                if not sub.poll(300):
+                    break
+        assert len(frames) >= 3
+        for i, f in enumerate(frames):
+            if i == len(frames) - 2:
+                continue  # lost: the next message's seq shows the gap
+            b.handle(f)
+        hasher = BlockHasher(block_size=B)
+        # The dropped batch came back from vLLM's replay: every prompt's blocks are there, once.
+        assert {h for p in prompts for h in hasher.event_ints(p)} <= set(b.rekeyer.held()["GPU"])
+        wait_for(lambda: all(matched(router, p, "vllm-drop") == 2 for p in prompts), timeout=30.0,
+                 what="the router's index of the hand-fed bridge")
+    finally:
+        sub.close()
+        b.close()
+
+
+def test_a_replay_buffer_overrun_starts_a_new_epoch_with_nothing_phantom(redis_server, default_model_dir,
+                                                                          tmp_path):
+    small = start_vllm(default_model_dir, tmp_path / "vllm-small.log", events_config={"buffer_steps": 2})
+    try:
+        prompts = [prompt(40 + i, 2 * B) for i in range(5)]
+        for p in prompts:  # one or more batches each: the first ones leave the 2-batch buffer
+            direct(small, p)
+        b = RunningBridge(bridge_settings(redis_server, small, default_model_dir, replica_id="vllm-small"))
+        try:
+            last = prompt(50, 2 * B)
+            direct(small, last)  # a live batch past seq 0: the bridge replays from 0, vLLM has only the last 2
+            hasher = BlockHasher(block_size=B)
+            wait_for(lambda: set(hasher.event_ints(last)) <= set(b.bridge.rekeyer.held().get("GPU", ())),
+                     timeout=30.0, what="the live batch applied after the overrun")
+            held = set(b.bridge.rekeyer.held()["GPU"])
+            assert b.bridge.sequencer.epochs >= 1
+            assert not set(hasher.event_ints(prompts[0])) & held  # overrun: never announced
+            assert held <= {h for p in [*prompts, last] for h in hasher.event_ints(p)}  # nothing phantom
+        finally:
+            b.close()
+    finally:
+        stop_vllm(small)
+
+
 def test_reset_prefix_cache_empties_the_index(router, vllm_server):
     ids = prompt(6, 2 * B)
     direct(vllm_server, ids)
@@ -130,6 +188,22 @@ def test_reset_prefix_cache_empties_the_index(router, vllm_server):
     vllm_server.post("/reset_prefix_cache", {})
     direct(vllm_server, prompt(7, 8))  # vLLM sends AllBlocksCleared with its next engine step
     wait_for(lambda: matched(router, ids) == 0, timeout=30.0, what="the index emptied by AllBlocksCleared")
+
+
+def test_a_vllm_restart_is_a_new_epoch_and_the_index_holds_only_the_new_servers_blocks(
+        router, bridge, vllm_server, default_model_dir):
+    old = prompt(8, 3 * B)
+    direct(vllm_server, old)
+    wait_for(lambda: matched(router, old) == 3, timeout=30.0, what="indexed before the restart")
+    epochs = bridge.epochs
+    restarted = restart_vllm(vllm_server, default_model_dir)  # same ports: the bridge follows it
+    vllm_server.process = restarted.process  # the module fixture stops the new one
+    new = prompt(9, 2 * B)
+    direct(restarted, new)
+    wait_for(lambda: matched(router, new) == 2, timeout=60.0, what="the restarted server's blocks indexed")
+    assert bridge.epochs > epochs
+    assert matched(router, old) == 0  # the old server's cache is gone, and so is its index entry
+    assert set(bridge.rekeyer.held()["GPU"]) == set(BlockHasher(block_size=B).event_ints(new))
 
 
 @pytest.mark.parametrize(("override", "names"), [

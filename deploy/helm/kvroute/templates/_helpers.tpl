@@ -105,8 +105,10 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
 # The root filesystem is read-only: caches (torch, the kernels) go to the /tmp emptyDir.
 - name: HOME
   value: /tmp
+{{- if ne .component "bridge" }}
 - name: KVROUTE_HOST
   value: "0.0.0.0"
+{{- end }}
 - name: KVROUTE_REDIS_URL
   value: {{ include "kvroute.redisUrl" $ | quote }}
 {{- $secret := include "kvroute.redisSecretName" $ }}
@@ -129,8 +131,10 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
   value: {{ $.Values.cluster.blockSize | quote }}
 - name: KVROUTE_HASH_ALGORITHM
   value: {{ $.Values.cluster.hashAlgorithm | quote }}
+{{- if ne .component "bridge" }}
 - name: KVROUTE_MODEL_CACHE_DIR
   value: /models
+{{- end }}
 {{- with $.Values.otel.endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
@@ -318,7 +322,7 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
 {{- $name := include "kvroute.replica.name" . }}
 {{- $addrs := list }}
 {{- range $i := until (int .Values.replica.replicas) }}
-{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.replica.port)) }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int (include "kvroute.replica.servingPort" $))) }}
 {{- end }}
 {{- join "," $addrs }}
 {{- end }}
