@@ -141,6 +141,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
             gateway=args.gateway, gateway_port=args.gateway_port, engine=args.engine, vllm_python=args.vllm_python,
+            vllm_args=tuple(shlex.split(args.vllm_args)),
             block_size=args.block_size,
         )
     except ValueError as e:
@@ -288,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the replicas: kvroute's engine (default), or stock vLLM servers with kvroute bridge beside "
                         "each (vLLM from --vllm-python, KVROUTE_VLLM_PYTHON or .venv-vllm: make vllm)")
     u.add_argument("--vllm-python", default="", help="--engine vllm: the python that has vllm installed")
+    u.add_argument("--vllm-args", default="",
+                   help="--engine vllm: more vLLM server flags, one string (e.g. \"--max-model-len 4096 --dtype float32\")")
     u.add_argument("--block-size", type=int, default=None,
                    help="KV block size of every replica and the router (default 16; 32 with --engine vllm)")
     u.set_defaults(func=_up, check=_check_up, after=[])

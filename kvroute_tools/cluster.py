@@ -53,6 +53,7 @@ from kvroute_tools.vllm_replicas import (
     VLLM_BLOCK_SIZE,
     VllmPorts,
     bridge_argv,
+    cpu_share,
     find_vllm_python,
     vllm_child,
     wait_healthy,
@@ -89,6 +90,7 @@ class ClusterConfig:
     engine: str = "kvroute"  # "vllm": stock vLLM servers with kvroute bridge beside each (kvroute_tools.vllm_replicas)
     block_size: int | None = None  # replicas' and router's KV block size (None: 16 for kvroute, 32 for vLLM)
     vllm_python: str = ""  # --engine vllm: the interpreter with vllm (default: vllm_replicas.find_vllm_python)
+    vllm_args: tuple[str, ...] = ()  # --engine vllm: more flags for every vLLM server
 
     def __post_init__(self) -> None:
         if self.engine not in ("kvroute", "vllm"):
@@ -298,7 +300,8 @@ class LocalCluster:
         plans = [VllmPorts.free(cfg.dial_host) for _ in range(cfg.replicas)]
         for i, ports in enumerate(plans):
             self.engines.append(vllm_child(f"vllm-{i}", python, self.model_dir, cfg.host, ports, block_size,
-                                           self.log_dir).start())
+                                           self.log_dir, extra_args=cfg.vllm_args,
+                                           cpus=cpu_share(i, cfg.replicas)).start())
         wait_healthy(self.engines, deadline, self._died)
         for i, ports in enumerate(plans):
             argv = bridge_argv(cfg.python, f"replica-{i}", cfg.dial_host, ports, self.model_dir, block_size,

@@ -64,22 +64,58 @@ class VllmPorts:
 
 
 def vllm_child(name: str, python: str, model_dir: str, host: str, ports: VllmPorts, block_size: int,
-               log_dir: Path) -> Child:
-    """The vLLM server ``name`` (not started)."""
+               log_dir: Path, *, extra_args: Sequence[str] = (), cpus: str = "auto") -> Child:
+    """The vLLM server ``name`` (not started).
+
+    Args:
+        extra_args: more server flags, after kvroute's (``kvroute up --vllm-args``; a flag given
+            twice takes vLLM's last value).
+        cpus: the cores its OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``; :func:`cpu_share`).
+    """
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports.events}",
               "replay_endpoint": f"tcp://*:{ports.replay}", "topic": "kv"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", host, "--port", str(ports.http),
             "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(config)]
-    return Child(name, argv, log_dir / f"{name}.log", target=f"{host}:{ports.http}", env=vllm_env(python))
+            "--kv-events-config", json.dumps(config), *extra_args]
+    return Child(name, argv, log_dir / f"{name}.log", target=f"{host}:{ports.http}", env=vllm_env(python, cpus))
 
 
-def vllm_env(python: str) -> dict[str, str]:
-    """What vLLM-CPU is started with: no hub access, a 1 GiB KV cache, and vllm-cpu's OpenMP runtime
-    preloaded when its venv has it (each overridden by setting it)."""
+def cpu_share(index: int, count: int, cores: Sequence[int] | None = None) -> str:
+    """The cores server ``index`` of ``count`` on this machine binds its OpenMP threads to, as
+    ``VLLM_CPU_OMP_THREADS_BIND`` spells them (``"0-3"``, ``"5"``): this process's allowed cores
+    cut into ``count`` contiguous, equal-as-possible shares, so that servers do not share cores
+    (vLLM-CPU's ``auto`` binds every server to the same cores). One server: ``"auto"``. More servers
+    than cores: server i gets core ``i mod cores``.
+
+    Args:
+        cores: the allowed core ids (default: ``os.sched_getaffinity(0)``).
+
+    Raises:
+        ValueError: ``index`` not in ``[0, count)``.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"server index {index} not in [0, {count})")
+    if count == 1:
+        return "auto"
+    ids = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if count >= len(ids):
+        return str(ids[index % len(ids)])
+    base, extra = divmod(len(ids), count)
+    start = index * base + min(index, extra)
+    share = ids[start:start + base + (1 if index < extra else 0)]
+    if share == list(range(share[0], share[-1] + 1)):
+        return f"{share[0]}-{share[-1]}" if len(share) > 1 else str(share[0])
+    return ",".join(map(str, share))
+
+
+def vllm_env(python: str, cpus: str = "auto") -> dict[str, str]:
+    """What vLLM-CPU is started with: no hub access, a 1 GiB KV cache, its OpenMP threads bound to
+    ``cpus``, and vllm-cpu's OpenMP runtime preloaded when its venv has it (each overridden by
+    setting it in the environment)."""
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)}
     iomp = Path(os.path.abspath(python)).parents[1] / "lib" / "libiomp5.so"
     if iomp.exists() and "LD_PRELOAD" not in os.environ:
         env["LD_PRELOAD"] = str(iomp)
@@ -118,5 +154,5 @@ def wait_healthy(servers: Sequence[Child], deadline: float, died) -> None:
             time.sleep(POLL_S * 5)
 
 
-__all__ = ["INSTALL_HINT", "VLLM_BLOCK_SIZE", "VllmPorts", "bridge_argv", "find_vllm_python", "vllm_child",
+__all__ = ["INSTALL_HINT", "VLLM_BLOCK_SIZE", "VllmPorts", "bridge_argv", "cpu_share", "find_vllm_python", "vllm_child",
            "vllm_env", "wait_healthy"]
