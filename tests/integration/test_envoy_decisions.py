@@ -297,3 +297,21 @@ def test_the_bootstrap_names_what_the_picker_reads():
 
     assert (envoy.DESTINATION_HEADER, envoy.LB_NAMESPACE) == (protocol.DESTINATION_HEADER, protocol.LB_NAMESPACE)
     assert envoy.REQUEST_ATTRIBUTES == (protocol.PATH_ATTRIBUTE, protocol.CONTENT_TYPE_ATTRIBUTE)
+
+
+def test_an_openai_call_through_envoy_needs_a_vllm_replica(envoy, router):
+    # The gateway forwards the JSON unchanged to the heartbeat's address: kvroute replicas serve gRPC
+    # there, so with none but them the call is refused (503, the OpenAI error body), not mis-sent.
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://{envoy.target}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=T)
+    assert err.value.code == 503
+    message = json.loads(err.value.read())["error"]["message"]
+    assert "needs a vllm replica, the routable ones are kvroute" in message
+    assert not router.server.load.local()

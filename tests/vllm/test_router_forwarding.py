@@ -1,7 +1,8 @@
 """kvroute's router in front of a real vLLM server (router/vllm_upstream.py, DESIGN.md §3.4): the
 gRPC GenerationService and the OpenAI HTTP front both served by vLLM through the router, with
 vLLM's own answers as the reference, its errors passed through with their status, and a cancelled
-call aborted at vLLM.
+call aborted at vLLM; and a real Envoy whose endpoint picker is the router sending OpenAI calls to
+vLLM's HTTP address.
 
 The vLLM replica's heartbeat is written here the way ``kvroute bridge`` writes it (engine
 ``vllm``, address = vLLM's HTTP host:port, the router's hash identity)."""
@@ -18,6 +19,7 @@ from kvroute.heartbeat import ENGINE_VLLM
 from kvroute.redis_layout import RedisLayout
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
+from kvroute_tools.envoy import EnvoyFront
 from replica.publisher.redis_publisher import RedisEventPublisher
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
@@ -50,7 +52,8 @@ def heartbeat(redis_server, vllm_server):
 @pytest.fixture(scope="module")
 def router(redis_server, default_model_dir, heartbeat):
     settings = RouterSettings(host="127.0.0.1", port=0, http_port=0, redis_url=redis_server.url,
-                              model=str(default_model_dir), block_size=BLOCK_SIZE, heartbeat_poll_interval=0.1)
+                              model=str(default_model_dir), block_size=BLOCK_SIZE, heartbeat_poll_interval=0.1,
+                              picker_port=0)
     with BackgroundRouter(settings) as r:
         wait_for(lambda: [i.replica_id for i in r.server.registry.routable()] == ["vllm-0"], what="vLLM routable")
         yield r
@@ -114,3 +117,42 @@ def test_a_cancelled_call_is_aborted_at_vllm(router, vllm_server):
     wait_for(lambda: vllm_server.metric("vllm:num_requests_running") == 0, timeout=30.0,
              what="vLLM aborted the cancelled request")
     wait_for(lambda: not router.server.load.local(), what="the router released the call's load")
+
+
+@pytest.fixture(scope="module")
+def envoy(router, tmp_path_factory):
+    with EnvoyFront(router.target, picker_target=router.picker_target, folder=tmp_path_factory.mktemp("envoy")) as e:
+        yield e
+
+
+def test_openai_calls_through_envoy_and_the_picker_are_served_by_vllm(envoy, router, vllm_server):
+    direct = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="x")
+    via = openai.OpenAI(base_url=f"http://{envoy.target}/v1", api_key="x")
+    prompt = "The picker sends this to vLLM's own HTTP port. " * 3
+    plain = direct.completions.create(model=vllm_server.model, prompt=prompt, max_tokens=5, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    streamed = via.completions.create(model=vllm_server.model, prompt=prompt, max_tokens=5, temperature=0.0,
+                                      stream=True, stream_options={"include_usage": True},
+                                      extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    # The direct call stored the prompt's full blocks; vLLM reused them for the call through Envoy.
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = via.chat.completions.create(model=vllm_server.model, messages=messages, max_tokens=4, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == direct.chat.completions.create(
+        model=vllm_server.model, messages=messages, max_tokens=4, temperature=0.0,
+        extra_body={"ignore_eos": True}).choices[0].message.content
+    wait_for(lambda: not router.server.load.local(), what="the picks' load released with their streams")
+
+
+def test_a_grpc_call_through_envoy_finds_no_kvroute_replica(envoy, vllm_server):
+    # The gateway forwards gRPC bytes unchanged: a vLLM server's address does not take them.
+    with grpc.insecure_channel(envoy.target) as ch, pytest.raises(grpc.RpcError) as err:
+        gen_grpc.GenerationServiceStub(ch).Generate(gen_pb.GenerateRequest(
+            token_ids=gen_pb.TokenIds(ids=list(range(40, 60))), sampling=greedy(2)), timeout=T)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "needs a kvroute replica, the routable ones are vllm" in err.value.details()
