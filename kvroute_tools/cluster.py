@@ -152,6 +152,7 @@ class LocalCluster:
         self.redis_url = config.redis_url
         self.replicas: list[Child] = []
         self.engines: list[Child] = []  # --engine vllm: the vLLM servers (the replicas are their bridges)
+        self.vllm_ports: list[VllmPorts] = []  # --engine vllm: each server's HTTP, KV events and replay ports
         self.router: Child | None = None
         self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
@@ -297,7 +298,7 @@ class LocalCluster:
         python = find_vllm_python(cfg.vllm_python)
         block_size = cfg.kv_block_size
         assert block_size is not None
-        plans = [VllmPorts.free(cfg.dial_host) for _ in range(cfg.replicas)]
+        plans = self.vllm_ports = [VllmPorts.free(cfg.dial_host) for _ in range(cfg.replicas)]
         for i, ports in enumerate(plans):
             self.engines.append(vllm_child(f"vllm-{i}", python, self.model_dir, cfg.host, ports, block_size,
                                            self.log_dir, extra_args=cfg.vllm_args,
