@@ -126,7 +126,9 @@ def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.Samplin
 
 def _base_request(body: Mapping[str, Any], *, chat: bool) -> gen_pb.GenerateRequest:
     salt = _get(body, "cache_salt", str, "a string")
-    return gen_pb.GenerateRequest(sampling=sampling_from_body(body, chat=chat), cache_salt=salt or "")
+    model = _get(body, "model", str, "a string")
+    return gen_pb.GenerateRequest(sampling=sampling_from_body(body, chat=chat), cache_salt=salt or "",
+                                  model=model or "")
 
 
 def _is_ids(value: Any) -> bool:

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvroute.grpc_errors import RpcError, call_outcome
+from kvroute.grpc_errors import call_outcome
 from kvroute.openai_api import (
     Shaper,
     chat_request,
@@ -43,7 +43,7 @@ from kvroute.openai_api import (
     wants_usage_in_stream,
 )
 from kvroute.process import dial_target
-from kvroute.prompt import InvalidRequestError
+from kvroute.prompt import InvalidRequestError, check_model
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import Telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -204,10 +204,7 @@ class OpenAIApp:
                 raise InvalidRequestError("body", "must be a JSON object")
             requests = [chat_request(body)] if chat else completion_requests(body)
             model, _ = self.backend.model()
-            asked = body.get("model")
-            if asked not in (None, "", model):
-                raise RpcError(grpc.StatusCode.NOT_FOUND,
-                               f"model: {asked!r} is not served here (this server serves {model!r})")
+            check_model(body.get("model"), model)
             metadata = header_metadata(request.headers)  # once: every prompt of a batch shares it
             contexts = [HttpCallContext(metadata) for _ in requests]
             method = "POST " + request.url.path

@@ -51,6 +51,22 @@ class InvalidRequestError(ValueError):
         return (type(self), (self.field, self.reason))
 
 
+class UnknownModelError(LookupError):
+    """A request names a model this server does not serve: NOT_FOUND (HTTP 404), message
+    ``"model: 'x' is not served here (this server serves 'y')"``."""
+
+
+def check_model(asked: object, served: str) -> None:
+    """Refuse a request naming another model than ``served`` (the OpenAI body's ``model``, the
+    ``GenerateRequest.model`` field); an empty or missing name means the served one.
+
+    Raises:
+        UnknownModelError: ``asked`` is set and is not ``served``.
+    """
+    if asked not in (None, "", served):
+        raise UnknownModelError(f"model: {asked!r} is not served here (this server serves {served!r})")
+
+
 def default_model_dir(model_cache_dir: str = "") -> Path:
     """The default model's folder in ``model_cache_dir`` (empty: :data:`DEFAULT_MODEL_CACHE_DIR`),
     ``~`` expanded; it may not exist yet."""
@@ -189,7 +205,9 @@ __all__ = [
     "DEFAULT_MODEL_DIRNAME",
     "InvalidRequestError",
     "PromptTokenizer",
+    "UnknownModelError",
     "chat_ids",
+    "check_model",
     "default_model_dir",
     "prompt_ids",
     "resolve_model_dir",

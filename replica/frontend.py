@@ -34,7 +34,7 @@ import grpc
 
 from kvroute.engine_info import EngineInfo
 from kvroute.grpc_errors import RpcError, call_outcome
-from kvroute.prompt import prompt_ids
+from kvroute.prompt import check_model, prompt_ids
 from kvroute.responses import MD_CACHED_TOKENS, concat_deltas
 from kvroute.telemetry import extract_context
 from kvroute.tokenizer import Tokenizer
@@ -200,10 +200,12 @@ class ReplicaFrontend:
         router computes them), or a ReplicaService request's ids; the engine validates them.
 
         Raises:
+            UnknownModelError: ``model`` names another model than this replica's.
             InvalidRequestError: ``prompt`` / ``prompt.chat`` (see ``kvroute.prompt``).
         """
         if isinstance(request, rep_pb.ReplicaGenerateRequest):
             return list(request.token_ids)
+        check_model(request.model, self.info.model if self.info is not None else "")
         return prompt_ids(self.tokenizer, request)
 
     async def stream(

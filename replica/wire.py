@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from kvroute.grpc_errors import error_boundary
-from kvroute.prompt import InvalidRequestError
+from kvroute.prompt import InvalidRequestError, UnknownModelError
 from kvroute.sampling import sampling_params_from_proto
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -46,6 +46,8 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status of an exception that escaped a servicer method (None: a bug -> INTERNAL)."""
     if isinstance(exc, InvalidRequestError):  # the engine's InvalidRequestError is one too
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, UnknownModelError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, EngineError):

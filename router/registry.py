@@ -9,7 +9,9 @@ Contract:
 - A replica is **routable** iff it is discovered, heartbeating (its heartbeat key has not
   expired: ``expire`` removes it from the registry) and hash-compatible (same hash algorithm, seed
   digest and block_size as the router). Otherwise ``reason`` says why, e.g.
-  ``"block_size 32 != router's 16"``; an incompatible replica is logged once at ERROR (a silent 0%
+  ``"block_size 32 != router's 16"``, and serves the router's model (the model folder's name,
+  which requests name: a replica heartbeating another model would answer for it with another
+  model's cache, ``"model 'b' != router's 'a'"``); an incompatible replica is logged once at ERROR (a silent 0%
   hit rate is the failure this guards against) and counted in ``num_incompatible``.
 - Discovery: with mode ``"redis"`` every heartbeating replica is discovered; with ``"static"`` or
   ``"kubernetes"`` a replica is discovered when the address in its heartbeat is in the last set
@@ -88,17 +90,21 @@ class ReplicaRegistry:
     Args:
         expected_identity: the router's ``BlockHasher.identity``: (algorithm, seed_digest, block_size).
         discovery_mode: ``"static"``, ``"redis"`` or ``"kubernetes"``.
+        model: the model requests are routed for (the router's model folder's name); a replica whose
+            heartbeat names another is not routable. ``""`` accepts any (and so does a heartbeat
+            that names none).
 
     Raises:
         ValueError: an unknown discovery mode.
     """
 
-    def __init__(self, expected_identity: tuple[str, str, int], discovery_mode: str = "redis"):
+    def __init__(self, expected_identity: tuple[str, str, int], discovery_mode: str = "redis", model: str = ""):
         if discovery_mode not in DISCOVERY_MODES:
             raise ValueError(f"discovery: unknown mode {discovery_mode!r}; expected one of {DISCOVERY_MODES}")
         algorithm, seed_digest, block_size = expected_identity
         self.expected_identity = (str(algorithm), str(seed_digest), int(block_size))
         self.discovery_mode = discovery_mode
+        self.model = model
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaInfo] = {}
         self._addresses: frozenset[str] = frozenset()
@@ -233,6 +239,8 @@ class ReplicaRegistry:
             reasons.append(f"hash_seed_digest {info.hash_seed_digest or '(none)'} != router's {seed_digest}")
         if info.block_size != block_size:
             reasons.append(f"block_size {info.block_size} != router's {block_size}")
+        if self.model and info.model and info.model != self.model:
+            reasons.append(f"model {info.model!r} != router's {self.model!r}")
         if info.engine not in ENGINES:
             reasons.append(f"engine {info.engine!r} is not one this router serves ({', '.join(ENGINES)})")
         return "; ".join(reasons)
@@ -267,7 +275,8 @@ class ReplicaRegistry:
 
     @property
     def num_incompatible(self) -> int:
-        """Heartbeating replicas whose hash triple differs from the router's (a metric)."""
+        """Heartbeating replicas this router cannot route to: another hash triple or model, a bad
+        heartbeat, an unknown engine (a metric)."""
         with self._lock:
             return len(self._incompatible)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvroute.prompt import InvalidRequestError, PromptTokenizer
+from kvroute.prompt import InvalidRequestError, PromptTokenizer, UnknownModelError, check_model
 from kvroute.sampling import sampling_params_from_proto, validate_request
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import router_pb2 as router_pb
@@ -60,6 +60,8 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status of an exception that escaped a front's handler (None: a bug -> INTERNAL)."""
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, UnknownModelError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, NoReplicaError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, QueuesFullError):
@@ -137,8 +139,10 @@ class RoutingService:
         the vocabulary, sampling values and length: against :meth:`model_limits`).
 
         Raises:
+            UnknownModelError: ``model`` names another model than the router's.
             InvalidRequestError: the field at fault (before anything is routed).
         """
+        check_model(request.model, self.tokenizer.model_name)
         vocab_size, max_model_len = self.model_limits()
         ids = self.tokenizer.token_ids(request, vocab_size)  # checks given ids against the vocabulary
         sampling = request.sampling if request.HasField("sampling") else None

@@ -155,7 +155,7 @@ class RouterServer:
         redis_auth = RedisAuth.from_settings(s)
         index_lock = threading.Lock()
         self.index = BlockIndex(speculative_ttl=s.speculative_ttl)
-        self.registry = ReplicaRegistry(hasher.identity, s.discovery)
+        self.registry = ReplicaRegistry(hasher.identity, s.discovery, model=self.tokenizer.model_name)
         self.discovery = make_discovery(s, self.registry)
         self.load = LoadTracker()
         self.router = Router(hasher, self.index, self.registry, self.load, self.policy(s.policy), index_lock)

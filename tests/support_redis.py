@@ -95,9 +95,10 @@ FAKE_LOAD_FIELDS = dict(free_blocks=40, running=2, waiting=1, usage=0.375, queue
 def engine_info(identity: tuple[str, str, int], num_blocks: int = 64):
     """A small engine's EngineInfo with the hash triple ``identity`` (algorithm, seed digest, block_size)."""
     from kvroute.engine_info import EngineInfo
+    from kvroute.prompt import DEFAULT_MODEL_DIRNAME
 
     algorithm, seed_digest, block_size = identity
-    return EngineInfo(model="tiny", vocab_size=500, max_model_len=1024, block_size=block_size,
+    return EngineInfo(model=DEFAULT_MODEL_DIRNAME, vocab_size=500, max_model_len=1024, block_size=block_size,
                       num_blocks=num_blocks, hash_algorithm=algorithm, hash_seed_digest=seed_digest)
 
 

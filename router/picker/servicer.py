@@ -48,7 +48,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.openai_api import error_response
-from kvroute.prompt import InvalidRequestError
+from kvroute.prompt import InvalidRequestError, UnknownModelError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
 from router.core import Decision
 from router.load import Ticket
@@ -158,7 +158,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             # kvroute replica serves gRPC there, a vLLM replica its OpenAI HTTP API.
             route = self._routing.route(ids, salt, subset=subset,
                                         engines=(ENGINE_KVROUTE,) if call.grpc else (ENGINE_VLLM,))
-        except (InvalidRequestError, NoReplicaError, QueuesFullError) as e:
+        except (InvalidRequestError, UnknownModelError, NoReplicaError, QueuesFullError) as e:
             if isinstance(e, NoReplicaError):
                 call.decision = e.decision
             code, message = classify_error(e) or (grpc.StatusCode.INTERNAL, str(e))

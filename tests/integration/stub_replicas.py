@@ -19,6 +19,7 @@ from kvroute.events import GPU, BlockStored
 from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from kvroute.heartbeat import EngineLoad
 from kvroute.process import BackgroundServer
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME
 from kvroute.redis_layout import RedisLayout
 from kvroute.responses import MD_CACHED_TOKENS
 from kvroute.v1 import generation_pb2 as gen_pb
@@ -83,12 +84,13 @@ class _Server:
 class StubReplica(BackgroundServer):
     """One stub replica (module docstring) heartbeating into ``redis_url`` as ``replica_id``."""
 
-    def __init__(self, replica_id: str, redis_url: str, hasher: BlockHasher, max_waiting: int = 0) -> None:
+    def __init__(self, replica_id: str, redis_url: str, hasher: BlockHasher, max_waiting: int = 0,
+                 model: str = DEFAULT_MODEL_DIRNAME) -> None:
         self._start(lambda: _Server(replica_id), f"stub-{replica_id}", lambda s: self.run(s.start()))
         self.replica_id = replica_id
         self.hasher = hasher
         algorithm, digest, block_size = hasher.identity
-        info = EngineInfo(model="stub", vocab_size=32000, max_model_len=4096, block_size=block_size, num_blocks=1000,
+        info = EngineInfo(model=model, vocab_size=32000, max_model_len=4096, block_size=block_size, num_blocks=1000,
                           hash_algorithm=algorithm, hash_seed_digest=digest)
         self.publisher = RedisEventPublisher(redis_url, RedisLayout(), replica_id, info, self.target,
                                              heartbeat_interval=0.1, max_waiting=max_waiting,

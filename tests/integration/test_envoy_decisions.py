@@ -306,7 +306,7 @@ def test_an_openai_call_through_envoy_needs_a_vllm_replica(envoy, router):
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
+    body = json.dumps({"prompt": "hello there", "max_tokens": 1}).encode()
     request = urllib.request.Request(f"http://{envoy.target}/v1/completions", data=body,
                                      headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:

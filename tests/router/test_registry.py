@@ -167,3 +167,14 @@ def test_bad_arguments_are_refused():
         ReplicaRegistry(ROUTER).update_from_heartbeat(Heartbeat.from_redis({"address": "x:1"}), now=0.0)
     with pytest.raises(ValueError, match="missing replica_id"):
         ReplicaRegistry(ROUTER).update_from_heartbeat(Heartbeat(replica_id=""), now=0.0)
+
+
+def test_a_replica_serving_another_model_is_not_routable_and_the_reason_names_both():
+    registry = ReplicaRegistry(ROUTER, "redis", model="tiny")
+    assert registry.update_from_heartbeat(heartbeat("replica-a"), now=0.0).routable
+    other = registry.update_from_heartbeat(heartbeat("replica-b", model="llama-8b"), now=0.0)
+    assert not other.routable and other.reason == "model 'llama-8b' != router's 'tiny'"
+    assert [i.replica_id for i in registry.routable()] == ["replica-a"] and registry.num_incompatible == 1
+    # a router without a model name (and a heartbeat that names none) accepts any
+    assert ReplicaRegistry(ROUTER, "redis").update_from_heartbeat(heartbeat(model="llama-8b"), now=0.0).routable
+    assert registry.update_from_heartbeat(heartbeat("replica-c", model=""), now=0.0).routable
