@@ -20,11 +20,12 @@ One request through ``GenerationService.GenerateStream`` (``Generate`` is the sa
     the ticket is finished on completion, error and cancel, exactly once.
 
 Failures. Before the first delta, an UNAVAILABLE from the replica (dead address, draining, loading)
-is retried on another replica -- the failed ones excluded -- up to ``max_retries`` times; after the
-first delta nothing is retried (the client has output it cannot take back). An attempt that ends
-before its first delta (refused, failed, cancelled) withdraws its speculative index entries: the
-replica will not store those blocks. Every other status
-(RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) is the replica's, passed through unchanged. A client
+or a RESOURCE_EXHAUSTED (its waiting queue filled since its last heartbeat) is retried on another
+replica -- the failed ones excluded -- up to ``max_retries`` times; after the first delta nothing is
+retried (the client has output it cannot take back). An attempt that ends before its first delta
+(refused, failed, cancelled) withdraws its speculative index entries: the replica will not store
+those blocks. Every other status (INVALID_ARGUMENT, ...), and the last attempt's, is the replica's,
+passed through unchanged (so is a RESOURCE_EXHAUSTED when no other replica is left). A client
 cancel or deadline expiry cancels the handler, whose ``finally`` cancels the upstream call: the
 replica aborts the request and frees its blocks. Statuses are decided in one place,
 :func:`router.routing.classify_error` behind ``error_boundary``.
@@ -83,7 +84,7 @@ REPLICA_STREAM_METHOD = "kvroute.v1.ReplicaService/GenerateStream"
 
 
 # Replica statuses that mean "this replica cannot take the call now", worth another replica.
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 _UNFINISHED = gen_pb.FINISH_REASON_UNSPECIFIED
 _MODEL_INFO_TIMEOUT_S = 2.0
 _UINT32_MAX = 2**32 - 1
@@ -94,7 +95,8 @@ class Proxy:
 
     Args:
         routing: the routing steps (checked ids, route, prefill_done, finish, withdraw).
-        max_retries: other replicas tried when one fails with UNAVAILABLE before the first token.
+        max_retries: other replicas tried when one fails with UNAVAILABLE or RESOURCE_EXHAUSTED before
+            the first token.
         tracer: makes the spans (None: no spans, but the caller's trace context still goes upstream).
         channels: the channels to the replicas (default: plaintext ones).
         vllm: the HTTP client for vLLM replicas (default: a plaintext one).
@@ -151,6 +153,7 @@ class Proxy:
             )
             exclude: list[str] = []
             failures: list[str] = []
+            refusals: list[grpc.aio.AioRpcError] = []  # the RESOURCE_EXHAUSTED ones
             while True:
                 try:
                     route = self.routing.route(ids, request.cache_salt, exclude=exclude)
@@ -158,6 +161,8 @@ class Proxy:
                     decision = e.decision
                     if not failures:
                         raise
+                    if len(refusals) == len(failures):  # every queue tried is full: the replica's 429
+                        raise refusals[-1] from None
                     raise NoReplicaError("; ".join([*failures, str(e)]), e.decision) from None
                 decision, ticket, picked = route.decision, route.ticket, route.replica
                 attempts.append((decision, None))
@@ -196,6 +201,8 @@ class Proxy:
                     if spans is not None:
                         spans.end_attempt((e.code().name, e.details() or ""))
                     exclude.append(picked.replica_id)
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        refusals.append(e)
                     failures.append(f"{picked.replica_id} at {picked.address} failed: {e.code().name}: {e.details()}")
                 finally:
                     if not started:  # refused or failed before prefill: its blocks will not be stored

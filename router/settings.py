@@ -77,8 +77,8 @@ class RouterSettings:
             " (-1 = off, 0 = pick a free one; EPPs conventionally use 9002)"
     )
     picker_streams: int = setting(
-        256, "endpoint picker: streams served at once, one thread each, each as long as its HTTP call"
-             " (calls in flight through the gateway); past it a call fails at once with UNAVAILABLE"
+        1024, "endpoint picker: calls in flight through the gateway, one thread each for as long as the call;"
+              " past it a call is refused at once with RESOURCE_EXHAUSTED (HTTP 429) naming the limit"
     )
     picker_fallbacks: int = setting(
         0, "endpoint picker: next-best endpoints listed after the pick (0 for Envoy's ORIGINAL_DST, which takes one)"

@@ -7,10 +7,13 @@ and behind a real Envoy a thread pool answers it for less CPU per call than grpc
 at about the same latency (docs/results.md: the hop to a second process costs the time, whatever
 the framework). The cost is a thread per stream: an ext_proc stream lives
 as long as its HTTP call (the picker counts the call in flight until it ends), so ``max_streams``
-bounds the calls a router can have in flight through the gateway. Beyond it the server refuses the
-new stream at once (RESOURCE_EXHAUSTED; the gateway answers its client 503 / UNAVAILABLE, and
-counts it in ``ext_proc`` stats), never a queue that waits for a thread: size it to the calls in
-flight per router (threads blocked on a stream cost memory, not CPU).
+bounds the calls a router can have in flight through the gateway. The call past it is refused at
+once by the picker itself (``EndpointPicker(max_calls=)``: RESOURCE_EXHAUSTED, HTTP 429, with a
+message naming the limit), never queued behind a thread; ``REFUSAL_STREAMS`` more threads answer
+those refusals, and past them the gRPC server refuses the stream (the gateway answers its client 503
+/ UNAVAILABLE without a message, and counts it in ``ext_proc`` stats). Size it to the calls in
+flight per router: every replica's running and waiting requests (threads blocked on a stream cost
+memory, not CPU).
 
     PickerServer(picker, host, port, credentials, max_streams).start() -> bound port
     .stop(grace)   new streams refused; streams still open after ``grace`` s are cancelled
@@ -29,6 +32,9 @@ from router.picker.servicer import EndpointPicker
 
 log = logging.getLogger(__name__)
 
+REFUSAL_STREAMS = 64
+"""Threads beyond ``max_streams`` that answer the calls past the limit with the picker's refusal."""
+
 
 class PickerServer:
     """``picker`` served on ``host:port`` (port 0: a free one) by ``max_streams`` threads.
@@ -41,10 +47,11 @@ class PickerServer:
         if max_streams < 1:
             raise ValueError(f"picker_streams: at least 1, got {max_streams}")
         self.max_streams = max_streams
-        self._pool = futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="picker")
-        # maximum_concurrent_rpcs: the stream past the limit is refused, not queued behind the pool.
-        self._server = grpc.server(self._pool, maximum_concurrent_rpcs=max_streams,
-                                   options=[("grpc.so_reuseport", 0)])
+        picker.max_calls = max_streams
+        threads = max_streams + REFUSAL_STREAMS
+        self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="picker")
+        # maximum_concurrent_rpcs: a stream past the threads is refused, not queued behind the pool.
+        self._server = grpc.server(self._pool, maximum_concurrent_rpcs=threads, options=[("grpc.so_reuseport", 0)])
         ext_grpc.add_ExternalProcessorServicer_to_server(picker, self._server)
         self._address = f"{host}:{port}"
         self._credentials = credentials
@@ -63,4 +70,4 @@ class PickerServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["PickerServer"]
+__all__ = ["REFUSAL_STREAMS", "PickerServer"]

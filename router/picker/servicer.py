@@ -76,6 +76,7 @@ class _Call:
     cached_tokens: int | None = None
     status: str = ""  # the call's final grpc-status name, or the picker's refusal
     answered_trailers: bool = False  # nothing more will come: the stream can end
+    over_limit: bool = False  # opened past the picker's max_calls: refused at its pick
     operation: str = "text_completion"
 
     @property
@@ -90,11 +91,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         routing: the routing steps (checked ids, route, prefill_done, finish; its ``metrics``).
         fallbacks: endpoints listed after the pick, next-best first (0: the pick alone, what an
             ORIGINAL_DST cluster reading the header needs: it takes one address).
+        max_calls: calls in flight through the picker at most (``picker_streams``; None: no
+            bound); the call past it is refused before any pick with RESOURCE_EXHAUSTED (HTTP 429)
+            and a message naming the limit.
     """
 
-    def __init__(self, routing: RoutingService, *, fallbacks: int = 0) -> None:
+    def __init__(self, routing: RoutingService, *, fallbacks: int = 0, max_calls: int | None = None) -> None:
         self._routing = routing
         self._fallbacks = fallbacks
+        self.max_calls = max_calls
+        self._open = 0  # streams being served now (the pool's threads), under _lock
         self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
         self._lock = threading.Lock()  # _unsettled: the pool's threads pick concurrently
 
@@ -102,6 +108,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 context: grpc.ServicerContext) -> Iterator[ext_pb.ProcessingResponse]:
         # One pool thread per stream, for as long as the HTTP call lasts (router.picker.server).
         call = _Call()
+        with self._lock:
+            self._open += 1
+            call.over_limit = self.max_calls is not None and self._open > self.max_calls
         try:
             for msg in request_iterator:
                 yield self._answer(call, msg)
@@ -111,6 +120,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             # The HTTP stream ended (completion, error, client cancel: Envoy closes this stream
             # with it; a cancel ends the iteration with an RpcError). After every answer of the
             # stream: a ticket committed by one is never missed.
+            with self._lock:
+                self._open -= 1
             if call.ticket is not None:
                 self._routing.finish(call.ticket)
             self._record(call, time.perf_counter() - call.t0)
@@ -145,6 +156,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None, *,
               on_headers: bool) -> ext_pb.ProcessingResponse:
         subset = protocol.subset_hint(msg.metadata_context)
+        if call.over_limit:
+            return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"endpoint picker: the calls in flight are at its limit, picker_streams={self.max_calls};"
+                                " retry later")
         try:
             ids: Sequence[int] = ()
             salt = ""

@@ -36,6 +36,7 @@ class _Server:
         self.calls: list[str] = []  # request ids, in arrival order
         self.open = 0
         self.release_event: asyncio.Event | None = None
+        self.refusal: tuple[grpc.StatusCode, str] | None = None  # set: every call is refused with it
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
@@ -68,6 +69,8 @@ class _Server:
         self.calls.append(request.request_id)
         self.open += 1
         try:
+            if self.refusal is not None:
+                await context.abort(*self.refusal)
             await self.release_event.wait()
             context.set_trailing_metadata(((MD_CACHED_TOKENS, "0"),))
             yield gen_pb.GenerateResponse(request_id=request.request_id, text=self.replica_id, token_ids=[1],
@@ -121,6 +124,10 @@ class StubReplica(BackgroundServer):
     def _snapshot(self):
         with self._lock:
             return {GPU: list(self._held)}
+
+    def refuse(self, refusal: tuple[grpc.StatusCode, str] | None) -> None:
+        """Refuse every call with ``(code, message)`` from now on (None: answer again)."""
+        self.server.refusal = refusal
 
     def hold(self) -> None:
         self.loop.call_soon_threadsafe(self.server.release_event.clear)

@@ -256,6 +256,22 @@ def test_every_waiting_queue_full_is_429_and_one_free_queue_takes_the_call(stubs
     assert generate(stubs_of["envoy"], prompt(5004, 40))[0] == "R2"
 
 
+def test_a_queue_full_since_its_heartbeat_is_retried_on_the_next_best_by_the_proxy(stubs, stubs_of, router):
+    # R1 holds the whole prompt and is idle in its heartbeat (the cheapest by far), but its queue
+    # filled since: it answers RESOURCE_EXHAUSTED. The proxy tries the next best (R2 and R3 tie:
+    # idle, nothing cached) before any token, and the client gets its answer, not R1's 429.
+    tokens = prompt(5100, 10 * B)
+    stubs["R1"].store(tokens)
+    indexed(router, stubs["R1"], tokens, 10)
+    stubs["R1"].refuse((grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full (4 requests, max_waiting=4)"))
+    try:
+        before = len(stubs["R1"].calls)
+        picked, _ = generate(stubs_of["proxy"], tokens)
+        assert picked in ("R2", "R3") and len(stubs["R1"].calls) == before + 1
+    finally:
+        stubs["R1"].refuse(None)
+
+
 def test_fallbacks_follow_the_pick_cheapest_first(stubs, router):
     from router.picker.servicer import EndpointPicker
 

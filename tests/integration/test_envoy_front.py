@@ -262,8 +262,8 @@ def test_unsampled_calls_get_the_pick_in_their_trailers_and_skip_the_picker(via_
 
 
 def test_past_its_stream_limit_the_picker_refuses_at_once(redis_server, default_model_dir, replicas, tmp_path):
-    """picker_streams 1: a second call while one is in flight is UNAVAILABLE at once (no queue, no
-    hang), and goes through once the first ended."""
+    """picker_streams 1: a second call while one is in flight is refused at once with
+    RESOURCE_EXHAUSTED naming the limit (no queue, no hang), and goes through once the first ended."""
     import time
 
     with BackgroundRouter(router_settings(redis_server, default_model_dir, picker_streams=1)) as one, \
@@ -275,7 +275,9 @@ def test_past_its_stream_limit_the_picker_refuses_at_once(redis_server, default_
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(gen.GenerateStream(ids_request(prompt(22, 40)), timeout=T))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == ("endpoint picker: the calls in flight are at its limit, picker_streams=1;"
+                                       " retry later")
         assert time.monotonic() - t0 < 1.5  # refused, not queued until the picker's 2 s message timeout
         held.cancel()
         wait_for(lambda: not one.server.load.local(), what="the held call released")
