@@ -7,7 +7,8 @@ Every field is a string in Redis. A heartbeat carries the replica's position in 
 (``epoch``, ``last_seq`` written), its identity (the served model and the hash triple the router
 checks before routing to it, DESIGN.md §2), the model limits the router validates requests
 against (``vocab_size``, ``max_model_len``; DESIGN.md §5) and its load after the latest engine step
-(:class:`EngineLoad`). Expiry of the key means the replica is gone. A field an older replica does
+(:class:`EngineLoad`), and whether it is draining (a graceful stop has begun: it takes no new call;
+written at once when the drain starts). Expiry of the key means the replica is gone. A field an older replica does
 not write reads as its default: 0 for the limits, meaning "not said".
 """
 
@@ -73,6 +74,8 @@ class Heartbeat:
             ReplicaService) or ``"vllm"`` (a stock vLLM server's OpenAI HTTP API, its heartbeat
             written by ``kvroute bridge``; DESIGN.md §3.4). A heartbeat without it is kvroute's.
         ts: the replica's wall clock when written (Unix seconds).
+        draining: the replica is stopping gracefully: it refuses new calls while the ones in flight
+            finish, so it is not routable. Written ``"1"`` / ``"0"``; absent reads as ``False``.
         invalid: ``"name=value"`` for each field :meth:`from_redis` could not parse as a finite
             number (those read as 0); a heartbeat with any is not routable. Never written.
     """
@@ -94,6 +97,7 @@ class Heartbeat:
     load: EngineLoad = field(default_factory=EngineLoad)
     engine: str = ENGINE_KVROUTE
     ts: float = 0.0
+    draining: bool = False
     invalid: tuple[str, ...] = ()
 
     @classmethod
@@ -142,6 +146,7 @@ class Heartbeat:
             "decode_seconds_per_running": repr(float(load.decode_seconds_per_running)),
             "engine": self.engine,
             "ts": repr(float(self.ts)),
+            "draining": "1" if self.draining else "0",
         }
 
     @classmethod
@@ -181,11 +186,15 @@ class Heartbeat:
             **{name: float(number(name, float)) for name in _LOAD_FLOAT_FIELDS},
         )
         ts = float(number("ts", float))
+        draining = text.get("draining", "0") or "0"
+        if draining not in ("0", "1"):
+            bad.append(f"draining={draining!r}")
         return cls(
             replica_id=replica_id, address=text.get("address", ""), model=text.get("model", ""),
             hash_algorithm=text.get("hash_algorithm", ""), hash_seed_digest=text.get("hash_seed_digest", ""),
             attn_backend=text.get("attn_backend", ""), attn_backend_reason=text.get("attn_backend_reason", ""),
-            load=load, engine=text.get("engine") or ENGINE_KVROUTE, ts=ts, invalid=tuple(bad), **ints,
+            load=load, engine=text.get("engine") or ENGINE_KVROUTE, ts=ts, draining=draining == "1",
+            invalid=tuple(bad), **ints,
         )
 
 

@@ -182,7 +182,7 @@ class ReplicaFrontend:
     # -- calls (event loop) ---------------------------------------------------------------------------
     def _require_engine(self) -> EngineClient:
         if self._draining:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is shutting down (draining: no new calls)")
         if self.engine is None:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "replica is loading its model")
         dead = self.engine.dead

@@ -8,7 +8,7 @@ and the OpenAI-compatible HTTP API (``http_port``; replica.http_api).
                  else: load model, warm up (a thread) ─▶ publisher.start()
                    ─▶ AsyncLLMEngine(step_hook=frontend.on_step).start()
               ─▶ readiness / "" / service names SERVING
-    stop():   every status NOT_SERVING ─▶ refuse new calls ─▶ in-flight calls get ``drain`` seconds to
+    stop():   heartbeat says draining (at once) ─▶ every status NOT_SERVING ─▶ refuse new calls ─▶ in-flight calls get ``drain`` seconds to
               finish (SIGTERM: ``drain_timeout``), the rest are aborted ─▶ HTTP and grpc stop(grace)
               ─▶ engine process (or thread) stopped ─▶ publisher closed    (drain + a few seconds at most)
 
@@ -296,7 +296,8 @@ class ReplicaServer:
             await self._health.set(LIVENESS, _NOT_SERVING)
 
     async def stop(self, grace: float = 1.0, *, drain: float = 0.0) -> None:
-        """Stop: NOT_SERVING everywhere (readiness first, so the endpoint leaves the Service), refuse
+        """Stop: a heartbeat saying ``draining`` at once (routers stop picking this replica), NOT_SERVING
+        everywhere (readiness first, so the endpoint leaves the Service), refuse
         new calls, give the calls in flight ``drain`` seconds to finish, abort the rest, stop gRPC
         within ``grace`` seconds, stop the engine process (or thread), close the publisher. Idempotent.
 
@@ -306,6 +307,9 @@ class ReplicaServer:
         if not await self._stop.begin():
             return
         try:
+            # Before anything else, so that routers stop picking this replica now rather than
+            # sending it calls it would refuse until its heartbeat expires.
+            self.publisher.start_draining()
             await self._health.enter_graceful_shutdown()
             if self.frontend is not None:
                 self.frontend.stop_admitting()

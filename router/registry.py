@@ -7,11 +7,12 @@
 
 Contract:
 - A replica is **routable** iff it is discovered, heartbeating (its heartbeat key has not
-  expired: ``expire`` removes it from the registry) and hash-compatible (same hash algorithm, seed
-  digest and block_size as the router). Otherwise ``reason`` says why, e.g.
-  ``"block_size 32 != router's 16"``, and serves the router's model (the model folder's name,
+  expired: ``expire`` removes it from the registry), hash-compatible (same hash algorithm, seed
+  digest and block_size as the router), serving the router's model (the model folder's name,
   which requests name: a replica heartbeating another model would answer for it with another
-  model's cache, ``"model 'b' != router's 'a'"``); an incompatible replica is logged once at ERROR (a silent 0%
+  model's cache, ``"model 'b' != router's 'a'"``) and not draining (its heartbeat says a graceful
+  stop has begun: it refuses new calls). Otherwise ``reason`` says why, e.g.
+  ``"block_size 32 != router's 16"``; an incompatible replica is logged once at ERROR (a silent 0%
   hit rate is the failure this guards against) and counted in ``num_incompatible``.
 - Discovery: with mode ``"redis"`` every heartbeating replica is discovered; with ``"static"`` or
   ``"kubernetes"`` a replica is discovered when the address in its heartbeat is in the last set
@@ -50,7 +51,8 @@ class ReplicaInfo:
     and the router's verdict on it; ``heartbeat_at``: the router's monotonic seconds when it read
     the heartbeat, ``written_at``: the replica's wall clock when it wrote it (Unix seconds);
     ``vocab_size`` / ``max_model_len``: the engine's limits, 0 when the heartbeat does not say;
-    ``engine``: what serves at ``address`` (kvroute.heartbeat.ENGINES)."""
+    ``engine``: what serves at ``address`` (kvroute.heartbeat.ENGINES); ``draining``: the replica
+    is stopping gracefully (never routable)."""
 
     replica_id: str
     address: str = ""
@@ -78,6 +80,7 @@ class ReplicaInfo:
     reason: str = ""  # why it is not routable ("" when it is)
     hash_compatible: bool = False
     engine: str = ENGINE_KVROUTE
+    draining: bool = False
 
 
 class ReplicaRegistry:
@@ -156,7 +159,7 @@ class ReplicaRegistry:
             waiting=load.waiting, max_waiting=heartbeat.max_waiting, usage=load.usage,
             queued_prefill_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s, decode_seconds_per_running=load.decode_seconds_per_running,
-            heartbeat_at=now, written_at=heartbeat.ts, engine=heartbeat.engine,
+            heartbeat_at=now, written_at=heartbeat.ts, engine=heartbeat.engine, draining=heartbeat.draining,
         )
         with self._lock:
             old = self._replicas.get(replica_id)
@@ -219,11 +222,13 @@ class ReplicaRegistry:
         reasons = [incompatible] if incompatible else []
         if not discovered:
             reasons.append(f"address {info.address or '(none)'} not discovered ({self.discovery_mode} discovery)")
+        if info.draining:
+            reasons.append("draining (shutting down: takes no new calls)")
         return dataclasses.replace(
             info,
             discovered=discovered,
             hash_compatible=not incompatible,
-            routable=discovered and not incompatible,
+            routable=discovered and not incompatible and not info.draining,
             reason="; ".join(reasons),
         )
 

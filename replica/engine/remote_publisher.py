@@ -15,8 +15,9 @@ from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
 class RemotePublisher(EventPublisher):
     """The server process's view of the publisher in the engine process: its counters as of the
     last step report (:meth:`update`, on the engine client's reader thread), ``request_snapshot``
-    forwarded to it. ``stats().last_seq`` may trail the real one by the steps still in the pipe,
-    which keeps RequestSnapshot's promise: the snapshot is valid at the returned seq or later."""
+    and ``start_draining`` forwarded to it. ``stats().last_seq`` may trail the real one by the
+    steps still in the pipe, which keeps RequestSnapshot's promise: the snapshot is valid at the
+    returned seq or later."""
 
     def __init__(self, engine: ProcessLLMEngine) -> None:
         self._engine = engine
@@ -30,6 +31,9 @@ class RemotePublisher(EventPublisher):
 
     def request_snapshot(self) -> None:
         self._engine.run_in_hook(ProcessStepHook.request_snapshot)
+
+    def start_draining(self) -> None:
+        self._engine.run_in_hook(ProcessStepHook.start_draining)
 
     def start(self) -> None:
         """Nothing to do here: the engine process starts the publisher (``make_process_step_hook``)."""

@@ -99,6 +99,10 @@ class ProcessStepHook:
         """The publisher's ``request_snapshot`` (the server sends it with ``ProcessLLMEngine.run_in_hook``)."""
         self.publisher.request_snapshot()
 
+    def start_draining(self) -> None:
+        """The publisher's ``start_draining`` (sent like ``request_snapshot``)."""
+        self.publisher.start_draining()
+
     def close(self) -> None:
         self.publisher.close()
 

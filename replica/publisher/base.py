@@ -68,6 +68,11 @@ class EventPublisher(abc.ABC):
         """Ask for a snapshot of the cached set after the next step (the RequestSnapshot rpc)."""
 
     @abc.abstractmethod
+    def start_draining(self) -> None:
+        """The replica has begun a graceful stop: from now on its heartbeat says ``draining``, and
+        one saying so is written at once (routers must stop picking it before the next period)."""
+
+    @abc.abstractmethod
     def stats(self) -> PublisherStats:
         """The counters now."""
 
@@ -86,6 +91,9 @@ class NullEventPublisher(EventPublisher):
         pass
 
     def request_snapshot(self) -> None:
+        pass
+
+    def start_draining(self) -> None:
         pass
 
     def stats(self) -> PublisherStats:

@@ -5,7 +5,8 @@
     on_step(events, load, snapshot_fn)                   drain: XADD batches (MAXLEN ~), SET snapshots,
       seq += 1, encode_batch ──▶ bounded buffer ──────▶         in order, one MULTI/EXEC per chunk
       snapshot_fn() when wanted ─▶ (after the batches)    heartbeat: HSET + PEXPIRE every interval
-      buffer full: drop + count, want a snapshot          SUBSCRIBE snapshot-requests: want a snapshot
+      buffer full: drop + count, want a snapshot          (and at once on start_draining)
+                                                          SUBSCRIBE snapshot-requests: want a snapshot
                                                           Redis down: back off (cap 1 s), reconnect,
                                                           heartbeat at once, want a fresh snapshot
 
@@ -146,6 +147,7 @@ class RedisEventPublisher(EventPublisher):
         self._snapshot_wanted.set()  # the first snapshot of the epoch
         self._load = self._heartbeat.load
         self._wake = threading.Event()
+        self._heartbeat_due = threading.Event()  # write one now, not at the next period (draining)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: redis.Redis | None = None
@@ -202,6 +204,12 @@ class RedisEventPublisher(EventPublisher):
     def request_snapshot(self) -> None:
         """Ask for a snapshot after the next engine step (thread-safe; the RequestSnapshot rpc)."""
         self._snapshot_wanted.set()
+
+    def start_draining(self) -> None:
+        """Every heartbeat from now on says ``draining``; one is written at once (thread-safe)."""
+        self._heartbeat = dataclasses.replace(self._heartbeat, draining=True)
+        self._heartbeat_due.set()
+        self._wake.set()
 
     # -- the engine thread ----------------------------------------------------------------------
     def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
@@ -322,11 +330,12 @@ class RedisEventPublisher(EventPublisher):
         while not self._stop.is_set():
             self._wake.clear()
             while self._write_some():
-                if time.monotonic() >= next_heartbeat:
+                if time.monotonic() >= next_heartbeat or self._heartbeat_due.is_set():
                     break
             self._poll_requests()
             now = time.monotonic()
-            if now >= next_heartbeat:
+            if now >= next_heartbeat or self._heartbeat_due.is_set():
+                self._heartbeat_due.clear()
                 self._write_heartbeat()
                 next_heartbeat = now + self.heartbeat_interval
             if not self._buffer:

@@ -65,6 +65,24 @@ def test_a_model_limit_that_does_not_parse_makes_the_replica_unroutable():
     assert not info.routable and info.reason == "bad heartbeat fields: max_model_len='lots'"
 
 
+def test_a_draining_replica_is_not_routable_says_why_and_its_entries_are_dropped():
+    registry = ReplicaRegistry(ROUTER, "redis")
+    removed: list[str] = []
+    registry.add_listener(removed.append)
+    assert registry.update_from_heartbeat(heartbeat("replica-a", draining="0"), now=0.0).routable
+    registry.update_from_heartbeat(heartbeat("replica-b", "10.0.0.2:50051"), now=0.0)  # no field: not draining
+    info = registry.update_from_heartbeat(heartbeat("replica-a", draining="1"), now=1.0)
+    assert info.draining and not info.routable and info.hash_compatible
+    assert info.reason == "draining (shutting down: takes no new calls)"
+    assert removed == ["replica-a"]
+    assert [i.replica_id for i in registry.routable()] == ["replica-b"]
+
+
+def test_a_draining_field_that_is_neither_0_nor_1_makes_the_replica_unroutable():
+    info = ReplicaRegistry(ROUTER, "redis").update_from_heartbeat(heartbeat(draining="yes"), now=0.0)
+    assert not info.routable and not info.draining and info.reason == "bad heartbeat fields: draining='yes'"
+
+
 def test_the_router_identity_is_the_design_default():
     assert ROUTER == ("sha256_cbor", "9bd96a485ad84efd", 16)  # DESIGN.md §2: NONE_HASH starts 9bd96a485ad84efd
 

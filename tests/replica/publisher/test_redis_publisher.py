@@ -137,6 +137,25 @@ def test_a_heartbeat_ttl_given_outlives_three_intervals_and_one_shorter_than_an_
         make_publisher(server, layout, heartbeat_interval=0.2, heartbeat_ttl=0.1)
 
 
+def test_start_draining_writes_a_draining_heartbeat_at_once_and_every_one_after(server, layout):
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    key = layout.heartbeat_key(REPLICA)
+    pub = make_publisher(server, layout, heartbeat_interval=30.0)  # the next periodic one is far away
+    pub.start()
+    try:
+        wait_for(lambda: r.hget(key, "draining") == "0", what="the first heartbeat, not draining")
+        first_ts = r.hget(key, "ts")
+        pub.start_draining()
+        wait_for(lambda: r.hget(key, "draining") == "1", timeout=2.0, what="a draining heartbeat at once")
+        beat = Heartbeat.from_redis(r.hgetall(key))
+        assert beat.draining and beat.ts > float(first_ts) and beat.invalid == ()
+        pub.on_step([], LOAD, dict)  # a later step's load does not undo it
+        assert Heartbeat.from_redis(r.hgetall(key)).draining
+    finally:
+        pub.close()
+        r.delete(key)
+
+
 def test_snapshot_request_on_the_channel_gets_a_snapshot_at_the_last_seq(server, layout):
     r = redis.Redis.from_url(server.url)
     pub = make_publisher(server, layout, snapshot_interval=3600)
