@@ -26,6 +26,9 @@ per call otherwise. The pick reaches every client's trailers all the same (``x-k
 ``kvroute.routing`` metadata. The ext_proc stream stays open until the HTTP stream ends either way
 (the picker counts the call in flight until then). ``failure_mode_allow`` is off: with the picker
 down, or at its stream limit, the client gets UNAVAILABLE, never a replica nobody picked.
+A body over ``MAX_REQUEST_BYTES`` (what Envoy buffers for the picker) is refused by Envoy before
+anything is picked: RESOURCE_EXHAUSTED for a gRPC call, 413 with OpenAI's error JSON for an HTTP
+one, each naming the limit (``_local_replies``).
 Timeouts: the client's ``grpc-timeout`` goes to the replica, which enforces it (Envoy does not
 time the stream), connect 2 s, the picker's answers 2 s each. Retries only before the first byte
 (Envoy never retries once response headers went downstream), and only failures that cannot have
@@ -59,6 +62,8 @@ TRAILERS_RUNTIME_KEY = "kvroute.picker_trailers_percent"
 # names router.picker.protocol looks up.
 REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']")
 MAX_REQUEST_BYTES = 1 << 20  # the buffered body's bound: Envoy's default per-connection buffer limit
+TOO_LARGE_MESSAGE = (f"request body is over Envoy's limit of {MAX_REQUEST_BYTES} bytes (the gateway buffers the"
+                     " body for the endpoint picker); send a shorter prompt")
 GENERATION_PREFIX = f"/{gen_pb.DESCRIPTOR.services_by_name['GenerationService'].full_name}/Generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")  # picked, to the vLLM replicas' HTTP address
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -106,6 +111,26 @@ def _routing_trailers() -> dict[str, Any]:
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}} for name in ROUTING_TRAILERS]
     return {"name": "envoy.filters.http.header_mutation",
             "typed_config": {"@type": _HEADER_MUTATION, "mutations": {"response_trailers_mutations": adds}}}
+
+
+def _local_replies() -> dict[str, Any]:
+    """Envoy's own answer to a body over ``MAX_REQUEST_BYTES`` (the buffer and ext_proc filters
+    reply 413 "Payload Too Large"), rewritten so that a client can tell what happened: a gRPC call
+    gets RESOURCE_EXHAUSTED (Envoy would map 413 to UNKNOWN) and an HTTP one OpenAI's error JSON,
+    each with a message naming the limit. Envoy keeps a ``grpc-status`` a mapper set and sends the
+    mapper's body as ``grpc-message``."""
+    too_large = {"status_code_filter": {"comparison": {"op": "EQ", "value": {
+        "default_value": 413, "runtime_key": "kvroute.local_reply.too_large_status"}}}}
+    grpc_call = {"header_filter": {"header": {"name": "content-type", "string_match": {"prefix": "application/grpc"}}}}
+    body = {"inline_string": TOO_LARGE_MESSAGE}
+    error = {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "invalid_request_error", "code": "request_too_large"}}
+    return {"mappers": [
+        {"filter": {"and_filter": {"filters": [too_large, grpc_call]}}, "body": body,
+         "headers_to_add": [{"header": {"key": "grpc-status", "value": "8"},  # RESOURCE_EXHAUSTED
+                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]},
+        {"filter": too_large, "body": body,
+         "body_format_override": {"json_format": error, "content_type": "application/json"}},
+    ]}
 
 
 def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_port: int,
@@ -174,7 +199,7 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
                 "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_ROUTE,
                                                 "overrides": {"processing_mode": _ext_proc(trailers=True)}}}})
     hcm = {
-        "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO",
+        "@type": _HCM, "stat_prefix": "kvroute", "codec_type": "AUTO", "local_reply_config": _local_replies(),
         "route_config": {"name": "kvroute", "virtual_hosts": [{"name": "kvroute", "domains": ["*"], "routes": routes}]},
         "http_filters": [
             *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}, buffer, _routing_trailers()]

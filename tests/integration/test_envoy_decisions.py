@@ -331,3 +331,45 @@ def test_an_openai_call_through_envoy_needs_a_vllm_replica(envoy, router):
     message = json.loads(err.value.read())["error"]["message"]
     assert "needs a vllm replica, the routable ones are kvroute" in message
     assert not router.server.load.local()
+
+
+def _over_the_buffer() -> list[int]:
+    """Token ids whose request body is over Envoy's 1 MiB buffer (ids 300..499 take 2 bytes each)."""
+    ids = [300 + i % 200 for i in range(600_000)]
+    assert len(gen_pb.TokenIds(ids=ids).SerializeToString()) > 1 << 20
+    return ids
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_body_over_envoys_buffer_is_refused_with_a_status_and_message_that_say_why(front, stubs, stubs_of, router):
+    before = {rid: len(s.calls) for rid, s in stubs.items()}
+    request = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=_over_the_buffer()),
+                                     sampling=gen_pb.SamplingParams(max_tokens=1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stubs_of[front].GenerateStream(request, timeout=T))
+    if front == "proxy":  # no buffer in the way: the prompt is longer than the model holds
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("prompt: "), err.value.details()
+    else:
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "request body is over Envoy's limit of 1048576 bytes" in err.value.details(), err.value.details()
+    assert {rid: len(s.calls) for rid, s in stubs.items()} == before
+    assert not router.server.load.local()
+
+
+def test_an_openai_body_over_envoys_buffer_is_413_with_an_openai_error_body(envoy, router):
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": _over_the_buffer(), "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://{envoy.target}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=T)
+    assert err.value.code == 413
+    assert err.value.headers["content-type"] == "application/json"
+    error = json.loads(err.value.read())["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert "request body is over Envoy's limit of 1048576 bytes" in error["message"], error
+    assert not router.server.load.local()
