@@ -162,6 +162,7 @@ class ReplicaServer:
         self._vllm_metrics: VllmMetricsCollector | None = None  # registered while this replica runs
         self._health = health.aio.HealthServicer()
         self._watchdog: asyncio.Task | None = None
+        self._alive: asyncio.Task | None = None  # _say_alive
         self._stop = StopOnce()
 
     @property
@@ -229,6 +230,7 @@ class ReplicaServer:
             await self.stop(grace=0)
             raise
         self._watchdog = asyncio.create_task(self._watch_engine())
+        self._alive = asyncio.create_task(self._say_alive())
         await self._set_all(_SERVING)
         log.info(
             "replica %s ready: model %s, %d KV blocks of %d tokens, max_model_len %d, address %s, engine %s,"
@@ -295,6 +297,15 @@ class ReplicaServer:
             await self._set_all(_NOT_SERVING)
             await self._health.set(LIVENESS, _NOT_SERVING)
 
+    async def _say_alive(self) -> None:
+        """Tell the publisher, every half heartbeat interval, that this event loop (which serves
+        every gRPC and HTTP call) runs: a heartbeat then proves the serving path, not only the
+        engine process (a frozen or hung server stops heartbeating within its TTL)."""
+        period = self.settings.heartbeat_interval / 2
+        while True:
+            self.publisher.serving_alive()
+            await asyncio.sleep(period)
+
     async def stop(self, grace: float = 1.0, *, drain: float = 0.0) -> None:
         """Stop: a heartbeat saying ``draining`` at once (routers stop picking this replica), NOT_SERVING
         everywhere (readiness first, so the endpoint leaves the Service), refuse
@@ -324,10 +335,11 @@ class ReplicaServer:
                 await self._http.stop(grace)
             if self._server is not None:
                 await self._server.stop(grace)
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._watchdog
+            for task in (self._watchdog, self._alive):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown, 2.0)
             await asyncio.to_thread(self.publisher.close)

@@ -14,8 +14,8 @@ from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
 
 class RemotePublisher(EventPublisher):
     """The server process's view of the publisher in the engine process: its counters as of the
-    last step report (:meth:`update`, on the engine client's reader thread), ``request_snapshot``
-    and ``start_draining`` forwarded to it. ``stats().last_seq`` may trail the real one by the
+    last step report (:meth:`update`, on the engine client's reader thread), ``request_snapshot``,
+    ``start_draining`` and ``serving_alive`` forwarded to it. ``stats().last_seq`` may trail the real one by the
     steps still in the pipe, which keeps RequestSnapshot's promise: the snapshot is valid at the
     returned seq or later."""
 
@@ -34,6 +34,9 @@ class RemotePublisher(EventPublisher):
 
     def start_draining(self) -> None:
         self._engine.run_in_hook(ProcessStepHook.start_draining)
+
+    def serving_alive(self) -> None:
+        self._engine.run_in_hook(ProcessStepHook.serving_alive)
 
     def start(self) -> None:
         """Nothing to do here: the engine process starts the publisher (``make_process_step_hook``)."""

@@ -103,6 +103,10 @@ class ProcessStepHook:
         """The publisher's ``start_draining`` (sent like ``request_snapshot``)."""
         self.publisher.start_draining()
 
+    def serving_alive(self) -> None:
+        """The publisher's ``serving_alive``: the server process is alive (sent like ``request_snapshot``)."""
+        self.publisher.serving_alive()
+
     def close(self) -> None:
         self.publisher.close()
 

@@ -73,6 +73,13 @@ class EventPublisher(abc.ABC):
         one saying so is written at once (routers must stop picking it before the next period)."""
 
     @abc.abstractmethod
+    def serving_alive(self) -> None:
+        """The process serving calls says it is alive (its event loop calls this every half
+        heartbeat interval). Once told, a publisher that heartbeats withholds its heartbeats while
+        the last word is older than the heartbeat's TTL, so that a replica whose serving process
+        is frozen or hung leaves the routers' view (DESIGN.md §3.3). Thread-safe."""
+
+    @abc.abstractmethod
     def stats(self) -> PublisherStats:
         """The counters now."""
 
@@ -94,6 +101,9 @@ class NullEventPublisher(EventPublisher):
         pass
 
     def start_draining(self) -> None:
+        pass
+
+    def serving_alive(self) -> None:
         pass
 
     def stats(self) -> PublisherStats:

@@ -5,7 +5,8 @@
     on_step(events, load, snapshot_fn)                   drain: XADD batches (MAXLEN ~), SET snapshots,
       seq += 1, encode_batch ──▶ bounded buffer ──────▶         in order, one MULTI/EXEC per chunk
       snapshot_fn() when wanted ─▶ (after the batches)    heartbeat: HSET + PEXPIRE every interval
-      buffer full: drop + count, want a snapshot          (and at once on start_draining)
+      buffer full: drop + count, want a snapshot          (and at once on start_draining; none while
+    serving_alive() (the serving process, any thread)      the serving process is silent past the TTL)
                                                           SUBSCRIBE snapshot-requests: want a snapshot
                                                           Redis down: back off (cap 1 s), reconnect,
                                                           heartbeat at once, want a fresh snapshot
@@ -135,6 +136,7 @@ class RedisEventPublisher(EventPublisher):
         # Rounded first: 3 * 0.2 * 1000 is 600.0000000000001, which would ceil to 601.
         ttl_s = 3 * heartbeat_interval if heartbeat_ttl is None else heartbeat_ttl
         self._ttl_ms = math.ceil(round(ttl_s * 1000, 3))
+        self._ttl_s = self._ttl_ms / 1000
 
         # Engine thread state.
         self.last_seq = 0
@@ -154,6 +156,8 @@ class RedisEventPublisher(EventPublisher):
         self._pubsub: redis.client.PubSub | None = None
         self._ever_connected = False
         self._logged_down = False
+        self._serving_said: float | None = None  # time.monotonic() of the last serving_alive(); None: never told
+        self._logged_silent = False
 
         # Stats.
         self.batches_published = 0
@@ -210,6 +214,19 @@ class RedisEventPublisher(EventPublisher):
         self._heartbeat = dataclasses.replace(self._heartbeat, draining=True)
         self._heartbeat_due.set()
         self._wake.set()
+
+    def serving_alive(self) -> None:
+        """The serving process is alive now (thread-safe; see ``EventPublisher.serving_alive``)."""
+        self._serving_said = time.monotonic()
+
+    def _serving_silent_s(self) -> float | None:
+        """Seconds the serving process has been silent past the heartbeat's TTL (None: it is not,
+        it never spoke, or this replica is draining, whose heartbeat must still go out)."""
+        said = self._serving_said
+        if said is None or self._heartbeat.draining:
+            return None
+        silent = time.monotonic() - said
+        return silent if silent > self._ttl_s else None
 
     # -- the engine thread ----------------------------------------------------------------------
     def on_step(self, events: Sequence[KVCacheEvent], load: EngineLoad, snapshot_fn: SnapshotFn) -> None:
@@ -349,6 +366,16 @@ class RedisEventPublisher(EventPublisher):
 
     def _write_heartbeat(self) -> None:
         assert self._client is not None
+        silent = self._serving_silent_s()
+        if silent is not None:
+            if not self._logged_silent:
+                log.warning("replica %s: the serving process has been silent for %.1fs (over the heartbeat TTL"
+                            " of %.1fs): heartbeats withheld until it speaks again", self.replica_id, silent, self._ttl_s)
+                self._logged_silent = True
+            return
+        if self._logged_silent:
+            log.warning("replica %s: the serving process speaks again: heartbeats resume", self.replica_id)
+            self._logged_silent = False
         heartbeat = dataclasses.replace(
             self._heartbeat, last_seq=self.last_seq_written, load=self._load, ts=time.time()
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
@@ -151,6 +152,32 @@ def test_start_draining_writes_a_draining_heartbeat_at_once_and_every_one_after(
         assert beat.draining and beat.ts > float(first_ts) and beat.invalid == ()
         pub.on_step([], LOAD, dict)  # a later step's load does not undo it
         assert Heartbeat.from_redis(r.hgetall(key)).draining
+    finally:
+        pub.close()
+        r.delete(key)
+
+
+def test_a_silent_serving_process_gets_its_heartbeat_withheld_until_it_speaks_again(server, layout):
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    key = layout.heartbeat_key(REPLICA)
+    pub = make_publisher(server, layout, heartbeat_interval=0.1)  # TTL 0.3 s
+    pub.start()
+    try:
+        wait_for(lambda: r.exists(key), what="a heartbeat before the serving process ever spoke")
+        pub.serving_alive()
+        first_ts = r.hget(key, "ts")
+        wait_for(lambda: r.hget(key, "ts") != first_ts, what="heartbeats while it speaks")
+        # Silent from here: at most one more heartbeat within the TTL, then none, and the key expires.
+        wait_for(lambda: not r.exists(key), timeout=2.0, what="the heartbeat key to expire")
+        time.sleep(0.3)
+        assert not r.exists(key), "no heartbeat while the serving process stays silent"
+        pub.serving_alive()
+        wait_for(lambda: r.exists(key), timeout=1.0, what="heartbeats to resume once it speaks")
+        # A draining replica's heartbeat goes out even with the serving process silent.
+        pub.start_draining()
+        wait_for(lambda: r.hget(key, "draining") == "1", timeout=1.0, what="the draining heartbeat")
+        time.sleep(0.5)
+        assert r.hget(key, "draining") == "1", "a draining replica keeps heartbeating"
     finally:
         pub.close()
         r.delete(key)
