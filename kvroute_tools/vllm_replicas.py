@@ -38,12 +38,13 @@ def find_vllm_python(given: str = "") -> str:
     Raises:
         ClusterError: none found (the message says how to install it).
     """
-    candidates = [given, os.environ.get("KVROUTE_VLLM_PYTHON", ""), str(Path(".venv-vllm") / "bin" / "python")]
-    for c in candidates:
+    if given:  # what the user named, or nothing: never another interpreter in its place
+        if Path(given).exists():
+            return given
+        raise ClusterError(f"--vllm-python: {given} does not exist; {INSTALL_HINT}")
+    for c in (os.environ.get("KVROUTE_VLLM_PYTHON", ""), str(Path(".venv-vllm") / "bin" / "python")):
         if c and Path(c).exists():
             return c
-    if given:
-        raise ClusterError(f"--vllm-python: {given} does not exist; {INSTALL_HINT}")
     on_path = shutil.which("python3") or shutil.which("python")
     if on_path and subprocess.run([on_path, "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0:
         return on_path
