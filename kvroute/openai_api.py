@@ -21,6 +21,7 @@ from typing import Any
 
 from kvroute.prompt import InvalidRequestError
 from kvroute.responses import FINISH_REASONS
+from kvroute.sampling import ROOM_LEFT
 from kvroute.v1 import generation_pb2 as gen_pb
 
 # Fields that would change the answer and that we do not implement: accepted only at these values.
@@ -81,7 +82,8 @@ def _check_supported(body: Mapping[str, Any]) -> None:
 
 def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.SamplingParams:
     """The ``SamplingParams`` of a request body: ``max_tokens`` (chat: ``max_completion_tokens``
-    first), ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
+    first; a chat body without either gets :data:`kvroute.sampling.ROOM_LEFT`, the room the prompt
+    leaves, as vLLM does; a completions body keeps OpenAI's and vLLM's 16), ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
     (a string or a list), ``stop_token_ids``, ``ignore_eos``; unset fields keep the engine's defaults.
 
     Raises:
@@ -95,6 +97,8 @@ def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.Samplin
         value = _unsigned(body, name)
         if value is not None:
             setattr(sp, field, value)
+    if chat and not sp.HasField("max_tokens"):  # OpenAI's chat API has no 16-token default: the room left
+        sp.max_tokens = ROOM_LEFT
     for name in ("temperature", "top_p", "min_p"):
         value = _get(body, name, (int, float), "a number")
         if value is not None:

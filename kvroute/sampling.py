@@ -13,6 +13,11 @@ its effective output budget is::
 
     effective_max_tokens = min(max_tokens, max_model_len - len(prompt))
 
+``max_tokens`` above ``max_model_len`` can never be met and is refused (naming ``max_tokens``), as
+vLLM refuses it; one within it that the prompt leaves no room for is clamped, as vLLM does.
+:data:`ROOM_LEFT` (the largest ``max_tokens``) asks for the room left, whatever it is: the OpenAI
+chat API's default when a body names no ``max_tokens``.
+
 A request that reaches the effective budget finishes with ``FinishReason.LENGTH`` whichever of the
 two limits was hit, exactly as vLLM's ``check_stop`` does with ``num_tokens >= max_model_len or
 num_output_tokens >= max_tokens``.
@@ -33,6 +38,9 @@ MAX_SEED = 2**64 - 1
 """The largest ``seed``: the public API carries it as a uint64."""
 MAX_MAX_TOKENS = 2**32 - 1
 """The largest ``max_tokens`` the public API can carry (a uint32)."""
+ROOM_LEFT = MAX_MAX_TOKENS
+"""``max_tokens`` meaning "as many as fit in ``max_model_len`` after the prompt" (vLLM's default for
+a chat request without ``max_tokens``; never refused for exceeding ``max_model_len``)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,12 @@ def validate_request(
             f"token id {tok!r} at index {i} is out of vocabulary [0, {vocab_size})",
         )
     params.validate(vocab_size)
+    if max_model_len < params.max_tokens < ROOM_LEFT:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"must be at most max_model_len={max_model_len} (the model's context), got {params.max_tokens}; "
+            "request fewer output tokens",
+        )
     return effective_max_tokens(params, prompt_len, max_model_len)
 
 
@@ -238,6 +252,7 @@ def sampling_params_from_proto(msg: gen_pb.SamplingParams | None) -> SamplingPar
 __all__ = [
     "MAX_MAX_TOKENS",
     "MAX_SEED",
+    "ROOM_LEFT",
     "SamplingParams",
     "effective_max_tokens",
     "sampling_params_from_proto",

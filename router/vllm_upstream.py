@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from kvroute.sampling import ROOM_LEFT
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 
@@ -65,6 +66,8 @@ def completions_body(model: str, request: rep_pb.ReplicaGenerateRequest) -> dict
         for name in _SAMPLING_FIELDS:
             if s.HasField(name):
                 body[name] = getattr(s, name)
+        if body.get("max_tokens") == ROOM_LEFT:  # vLLM's spelling of the room left: null
+            body["max_tokens"] = None
         if s.stop:
             body["stop"] = list(s.stop)
         if s.stop_token_ids:

@@ -185,6 +185,24 @@ def test_max_completion_tokens_bounds_a_chat_answer(client):
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
+def test_without_max_tokens_a_chat_answer_may_fill_the_context_and_a_completion_stops_at_16(client, model_info):
+    # vLLM's defaults: a chat request gets the room the prompt leaves; /v1/completions keeps 16 (OpenAI's).
+    prompt = random_ids(5, model_info.max_model_len - 40)
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0.0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+    room = model_info.max_model_len - chat.usage.prompt_tokens
+    assert room > 16 and chat.usage.completion_tokens == room and chat.choices[0].finish_reason == "length"
+
+
+def test_a_prompt_that_leaves_less_room_than_max_tokens_is_cut_to_the_room_as_vllm_does(client, model_info):
+    prompt = random_ids(6, model_info.max_model_len - 20)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 20 and out.choices[0].finish_reason == "length"
+
+
 def test_repeated_long_prompt_reports_cached_tokens_on_the_second_call(client, side):
     ids = random_ids(100 + SIDES.index(side), 6 * B + 5)  # 6 full blocks + 5 tokens, new to the cache
     first = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
@@ -296,6 +314,9 @@ def _bad_bodies(max_model_len: int, vocab: int) -> list[tuple[str, str, dict, st
         ("chat logprobs", "chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
         ("negative max_tokens", "completions", {"prompt": ok, "max_tokens": -1}, "max_tokens"),
         ("max_tokens a string", "completions", {"prompt": ok, "max_tokens": "ten"}, "max_tokens"),
+        ("max_tokens > max_model_len", "completions", {"prompt": ok, "max_tokens": max_model_len + 1}, "max_tokens"),
+        ("chat max_tokens > max_model_len", "chat",
+         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_model_len + 1}, "max_tokens"),
         ("non-text content", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
     ]
@@ -341,7 +362,7 @@ def test_unknown_fields_are_ignored(client):
 
 # -- cancellation and admission --------------------------------------------------------------------------
 def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(client, rep, replica):
-    stream = client.completions.create(model=MODEL, prompt="cancel me " * 20, stream=True, max_tokens=3000,
+    stream = client.completions.create(model=MODEL, prompt="cancel me " * 20, stream=True, max_tokens=2000,
                                        temperature=0.0, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(5), stream, strict=False):
         pass

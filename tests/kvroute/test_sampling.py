@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvroute.prompt import InvalidRequestError
-from kvroute.sampling import SamplingParams, effective_max_tokens, validate_request
+from kvroute.sampling import ROOM_LEFT, SamplingParams, effective_max_tokens, validate_request
 
 VOCAB = 100
 MAX_MODEL_LEN = 32
@@ -139,3 +139,15 @@ def test_effective_max_tokens_is_clamped_to_the_room_left_in_the_model():
     assert validate_request([1] * 20, params, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN) == 12
     assert validate_request([1] * 31, params, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN) == 1
     assert effective_max_tokens(params, prompt_len=20, max_model_len=MAX_MODEL_LEN) == 12
+
+
+def test_max_tokens_above_max_model_len_is_refused_and_room_left_takes_what_fits():
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request([1] * 5, SamplingParams(max_tokens=MAX_MODEL_LEN + 1), vocab_size=VOCAB,
+                         max_model_len=MAX_MODEL_LEN)
+    assert info.value.field == "max_tokens"
+    assert f"max_model_len={MAX_MODEL_LEN}" in info.value.reason and str(MAX_MODEL_LEN + 1) in info.value.reason
+    at_limit = SamplingParams(max_tokens=MAX_MODEL_LEN)
+    assert validate_request([1] * 5, at_limit, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN) == MAX_MODEL_LEN - 5
+    room = SamplingParams(max_tokens=ROOM_LEFT)
+    assert validate_request([1] * 5, room, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN) == MAX_MODEL_LEN - 5

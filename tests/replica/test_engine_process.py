@@ -45,7 +45,7 @@ from tests.support import replica_idle as idle
 
 BLOCK = 16
 NAMESPACE = "proc"
-GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+GREEDY_LONG = gen_pb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -378,7 +378,7 @@ def test_streams_end_with_engine_dead_error_when_the_process_dies(models):
     engine.start()
     try:
         async def run() -> None:
-            req = engine.make_request([1, 2, 3], SamplingParams(max_tokens=3000, ignore_eos=True), "dies", None)
+            req = engine.make_request([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True), "dies", None)
             outputs = engine.generate(req)
             await outputs.__anext__()
             os.kill(engine.pid, signal.SIGKILL)

@@ -28,7 +28,7 @@ from tests.support import (
 from tests.support import replica_idle as idle
 
 BLOCK = 16
-GREEDY_LONG = gen_pb.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+GREEDY_LONG = gen_pb.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +181,8 @@ def _bad_requests(max_model_len: int, vocab: int) -> list[tuple[str, gen_pb.Gene
         ("huge prompt", gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=[1] * 100_000)), "prompt"),
         ("token id >= vocab", gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=[1, vocab, 2])), "prompt.token_ids"),
         ("max_tokens 0", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(max_tokens=0)), "max_tokens"),
+        ("max_tokens > max_model_len", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(max_tokens=100_000)),
+         "max_tokens"),
         ("temperature < 0", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(temperature=-0.5)), "temperature"),
         ("top_p 0", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(top_p=0.0)), "top_p"),
         ("top_p 1.5", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(top_p=1.5)), "top_p"),
