@@ -68,7 +68,7 @@ def test_sigterm_aborts_in_flight_streams_after_the_drain_timeout_and_exits_clea
     with _replica(tmp_path, "--drain-timeout", "0.5") as (proc, channel, log):
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="readiness"))
         assert next(watch).status == SERVING
-        stream = _stream(channel, 3000)
+        stream = _stream(channel, 1000)
         next(stream)
 
         t0 = time.monotonic()

@@ -24,7 +24,7 @@ def replica(default_model_dir):
 
 def test_ctrl_c_while_streaming_prints_nothing_more_and_exits_130(replica):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute_tools", "generate", "--target", replica.target, "--max-tokens", "100000",
+        [sys.executable, "-m", "kvroute_tools", "generate", "--target", replica.target, "--max-tokens", "2000",
          "--ignore-eos", "--temperature", "0", "Once upon a time"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -102,7 +102,7 @@ def test_longest_allowed_prompt_is_accepted_and_gets_one_token(default_model_dir
         EngineConfig(device="cpu", block_size=16, num_blocks=8, max_model_len=MAX_MODEL_LEN, torch_threads=1),
     )
     free = eng.kv.num_free_blocks
-    req = eng.add_request([5] * (MAX_MODEL_LEN - 1), SamplingParams(max_tokens=100, **GREEDY))
+    req = eng.add_request([5] * (MAX_MODEL_LEN - 1), SamplingParams(max_tokens=MAX_MODEL_LEN, **GREEDY))
     assert req.max_tokens == 1
     outs = eng.step()
     assert [(o.finished, o.finish_reason, o.completion_tokens) for o in outs] == [
