@@ -89,8 +89,8 @@ from router.consumer_feed import IndexFeed  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
+from router.policies.registry import make_policy  # noqa: E402
 from router.registry import ReplicaRegistry  # noqa: E402
-from router.scoring import make_policy  # noqa: E402
 
 B = 16
 PROMPT_TOKENS = 8192

@@ -49,9 +49,6 @@ def int_in(lo: int, hi: int):
     return parse
 
 
-_SIM_POLICIES = ("kvroute", "round_robin", "least_loaded", "random", "sglang_cache_aware", "llmd", "dynamo", "chwbl")
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from kvroute_tools.simulate.run import simulate_main
 
@@ -224,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     from kvroute.sampling import MAX_MAX_TOKENS, MAX_SEED
     from kvroute_tools.simulate.flags import add_arguments
+    from router.policies.registry import ALL_POLICY_NAMES
 
     sim = sub.add_parser(
         "simulate", help="a whole cluster in virtual time: the router's and KV manager's code, a timing model",
@@ -232,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "print per policy: hit rate, share of the pooled oracle, TTFT, TPOT, queue, imbalance, "
                     "preemptions, decision time; with the ideal, pooled-LRU and round-robin oracles.",
     )
-    add_arguments(sim, requests=None, replicas="16", policies=",".join(_SIM_POLICIES))
+    add_arguments(sim, requests=None, replicas="16", policies=",".join(ALL_POLICY_NAMES))
     sim.set_defaults(func=_simulate, check=_check_simulate)
     d = sub.add_parser("demo", help="kvroute simulate with small defaults: 1,000 requests, 4 replicas, "
                                     "round_robin vs kvroute")

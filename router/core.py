@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
 from router.load import LoadTracker, Ticket
+from router.policies.base import Policy
 from router.registry import ReplicaInfo, ReplicaRegistry
-from router.scoring import Candidate, Policy, RequestShape, Scored, pool_rate
+from router.scoring import Candidate, RequestShape, Scored, pool_rate
 from router.speculative import SpeculativeCredit
 
 

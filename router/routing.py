@@ -33,8 +33,9 @@ from kvroute.v1 import router_pb2 as router_pb
 from router.core import Decision, Router
 from router.load import Ticket
 from router.model_limits import UNBOUNDED
+from router.policies.base import Policy
+from router.policies.registry import POLICY_NAMES
 from router.registry import ReplicaInfo
-from router.scoring import POLICY_NAMES, Policy
 from router.telemetry import RouterMetrics
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
-"""Routing policies and the default cost model (DESIGN.md §5). Pure functions, no I/O.
+"""The default cost model's math (DESIGN.md §5): candidates, weights, scorers. Pure functions, no I/O.
 
-The default policy, ``kvroute``, estimates each replica's time to first token for this request::
+The default policy, ``kvroute`` (``router.policies.kvroute``), estimates each replica's time to first token for this request::
 
     cost(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)   # TTFT: queue + own prefill
             + running(r) * decode_seconds_per_running(r)                                  # TTFT: decode load
@@ -35,8 +35,8 @@ Why each term beyond TTFT (DESIGN.md §5; the defaults come from the sweeps in d
   ``kv_usage_weight``, off by default, would) because its replica was busy at its last heartbeat.
 
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
-a deployment can reweight or replace them. ``round_robin``, ``least_loaded`` and ``random`` are
-the baselines the bench compares against.
+a deployment can reweight or replace them. The policies that use this module live in
+``router.policies`` (which imports it; it imports no policy).
 """
 
 from __future__ import annotations
@@ -198,65 +198,6 @@ class Scored:
     terms: dict[str, float] | None = None
 
 
-class Policy:
-    """Chooses one candidate. ``choose`` returns the pick (None when there is no candidate) and
-    every candidate's score (policies without a cost model report cost 0)."""
-
-    name = "policy"
-
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        raise NotImplementedError
-
-
-class KVRoutePolicy(Policy):
-    """Lowest estimated TTFT (module docstring); exact ties at random from a seeded generator."""
-
-    name = "kvroute"
-
-    def __init__(
-        self,
-        weights: ScoringWeights | None = None,
-        scorers: dict[str, Scorer] | None = None,
-        rng: random.Random | None = None,
-    ):
-        self.weights = weights or ScoringWeights()
-        self.scorers = dict(DEFAULT_SCORERS if scorers is None else scorers)
-        self.rng = rng or random.Random()
-
-    def score(self, c: Candidate, req: RequestShape) -> Scored:
-        """One candidate's cost with its per-scorer terms."""
-        terms = {name: fn(c, req, self.weights) for name, fn in self.scorers.items()}
-        return Scored(c, sum(terms.values()), terms)
-
-    def costs(self, cands: Sequence[Candidate], req: RequestShape) -> list[float]:
-        """Every candidate's cost, equal to ``score(c, req).cost`` bit for bit. With the default
-        scorers the sum is written out in their order (same float operations, no call per term and
-        no terms dict: several times cheaper per candidate; bench/router.py times the decision)."""
-        w = self.weights
-        if self.scorers != DEFAULT_SCORERS:
-            fns = tuple(self.scorers.values())
-            return [sum(fn(c, req, w) for fn in fns) for c in cands]
-        prompt, block = req.prompt_tokens, req.block_size
-        cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
-        footprint_w, kv_w, flight_w = w.kv_footprint_weight, w.kv_usage_weight, w.in_flight_weight
-        out = []
-        for c in cands:
-            u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
-            rate, decode_s = prefill_rate(c, w), decode_step_seconds(c, w)
-            out.append(
-                0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s
-                + (work_w + backlog_w * c.waiting) * u / rate
-                + footprint_w * c.kv_usage * prompt / rate
-                + c.kv_usage * kv_w + c.in_flight * flight_w
-            )
-        return out
-
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        costs = self.costs(cands, req)
-        scored = [Scored(c, cost) for c, cost in zip(cands, costs, strict=True)]
-        return pick_lowest(scored, self.rng), scored
-
-
 def pick_lowest(scored: Sequence[Scored], rng: random.Random) -> Candidate | None:
     """The candidate of lowest cost; exact ties at random, never by list position (None when there
     is no candidate). A single best draws nothing from ``rng``."""
@@ -265,71 +206,3 @@ def pick_lowest(scored: Sequence[Scored], rng: random.Random) -> Candidate | Non
     best = min(s.cost for s in scored)
     ties = [s.candidate for s in scored if s.cost == best]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
-
-
-class RoundRobinPolicy(Policy):
-    """Cycles through the candidates in replica-id order (the classic baseline)."""
-
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, 0.0) for c in cands]
-        if not cands:
-            return None, scored
-        ordered = sorted(cands, key=lambda c: c.replica_id)
-        pick = ordered[self._next % len(ordered)]
-        self._next += 1
-        return pick, scored
-
-
-class LeastLoadedPolicy(Policy):
-    """Fewest in-flight + running requests (the waiting queue is not counted), ignoring the cache;
-    ties at random."""
-
-    name = "least_loaded"
-
-    def __init__(self, rng: random.Random | None = None):
-        self.rng = rng or random.Random()
-
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, float(c.in_flight + c.running)) for c in cands]
-        if not scored:
-            return None, scored
-        best = min(s.cost for s in scored)
-        return self.rng.choice([s.candidate for s in scored if s.cost == best]), scored
-
-
-class RandomPolicy(Policy):
-    name = "random"
-
-    def __init__(self, rng: random.Random | None = None):
-        self.rng = rng or random.Random()
-
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
-        scored = [Scored(c, 0.0) for c in cands]
-        return (self.rng.choice(list(cands)) if cands else None), scored
-
-
-POLICY_NAMES = ("kvroute", "round_robin", "least_loaded", "random")
-
-
-def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | None = None) -> Policy:
-    """A policy by name: the live router's (POLICY_NAMES) or a peer's re-implementation
-    (``router.policies.PEER_POLICIES``). Raises ValueError naming the valid ones."""
-    rng = random.Random(seed)
-    if name == "kvroute":
-        return KVRoutePolicy(weights, rng=rng)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy(rng)
-    if name == "random":
-        return RandomPolicy(rng)
-    from router.policies import PEER_POLICIES, make_peer_policy  # they import this module
-
-    if name in PEER_POLICIES:
-        return make_peer_policy(name, rng)
-    raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICY_NAMES + PEER_POLICIES)}")

@@ -49,10 +49,11 @@ from router.index import BlockIndex
 from router.load import LoadTracker, RedisLoadSync
 from router.picker.server import PickerServer
 from router.picker.servicer import EndpointPicker
+from router.policies.base import Policy
+from router.policies.registry import make_policy
 from router.proxy import Proxy
 from router.registry import ReplicaRegistry
 from router.routing import RoutingService
-from router.scoring import Policy, make_policy
 from router.servicers import GenerationServicer, RouterServicer, service_names
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
-from router.scoring import POLICY_NAMES, ScoringWeights
+from router.policies.registry import POLICY_NAMES
+from router.scoring import ScoringWeights
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class BenchConfig:
             raise ValueError(f"--policies: expected comma-separated policy names, got {','.join(self.policies)!r}")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies: a policy is listed twice ({','.join(self.policies)})")
+        from router.policies.registry import POLICY_NAMES  # here: the bench's modules import no router
+
+        for name in self.policies:
+            if name not in POLICY_NAMES:
+                raise ValueError(f"--policies: unknown {name!r}; expected some of {', '.join(POLICY_NAMES)}")
         if self.interleave < 0:
             raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
         if self.api not in ("grpc", "openai"):

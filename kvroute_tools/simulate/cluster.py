@@ -38,8 +38,10 @@ from router.consumer_feed import IndexFeed
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
+from router.policies.base import Policy
+from router.policies.registry import make_policy
 from router.registry import ReplicaRegistry
-from router.scoring import Policy, ScoringWeights, make_policy
+from router.scoring import ScoringWeights
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ _STEP, _HEARTBEAT = 0, 1
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
              progress: Callable[[int], None] | None = None, policy: Policy | None = None) -> PolicyRun:
     """Replay ``trace`` (in order, timestamps scaled by ``cfg.time_scale``) through ``cfg.replicas``
-    replicas routed by ``policy_name`` (``router.scoring.make_policy``; or ``policy`` itself).
+    replicas routed by ``policy_name`` (``router.policies.registry.make_policy``; or ``policy`` itself).
     ``progress(n)`` is called with the number of requests routed so far, now and then.
 
     Raises:
@@ -123,8 +125,9 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
     hasher = BlockHasher(block_size=cfg.block_size)
     now = 0.0
     policy = policy or make_policy(policy_name, cfg.weights, seed=cfg.seed)
-    kv_fed = getattr(policy, "index_from_kv_events", True)
-    index = BlockIndex(getattr(policy, "speculative_ttl", cfg.speculative_ttl), clock=lambda: now)
+    kv_fed = policy.index_from_kv_events
+    ttl = cfg.speculative_ttl if policy.speculative_ttl is None else policy.speculative_ttl
+    index = BlockIndex(ttl, clock=lambda: now)
     registry = ReplicaRegistry(hasher.identity, "redis")
     load = LoadTracker()
     router = Router(hasher, index, registry, load, policy)
@@ -132,9 +135,7 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
     ids = cfg.replica_ids()
     reps = [SimReplica(rid, cfg.num_blocks, hasher, cfg.timing, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_num_seqs=cfg.max_num_seqs, cpu_num_blocks=cfg.cpu_blocks) for rid in ids]
-    prime = getattr(policy, "observe_prompt", None)
-    if hasattr(policy, "block_capacity"):
-        policy.block_capacity = cfg.num_blocks - 1
+    policy.set_block_capacity(cfg.num_blocks - 1)
     pending: list[deque] = [deque() for _ in reps]  # (due_s, encoded batch) per replica
     batches = [0] * len(reps)  # the last seq of each replica's stream
     heap: list = []
@@ -200,8 +201,8 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, policy_name: str,
                 batches[k] += 1
                 feed.entry(ids[k], 1, batches[k], q.popleft()[1], history=False)
         t0 = time.perf_counter()
-        if prime is not None:
-            prime(hasher.event_ints(sr.prompt))
+        if policy.observes_prompt:
+            policy.observe_prompt(hasher.event_ints(sr.prompt))
         decision = router.decide(sr.prompt)
         sr.ticket = router.commit(decision)
         decide_s.append(time.perf_counter() - t0)

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser, *, requests: int | None, replicas:
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled conversation trace)")
     p.add_argument("--requests", type=int, default=requests, help=f"the first N requests (default: {requests or 'all'})")
     p.add_argument("--replicas", default=replicas, help="replica counts, comma-separated (default %(default)s)")
-    p.add_argument("--policies", default=policies, help="comma-separated policy names of router.scoring.make_policy (default %(default)s)")
+    p.add_argument("--policies", default=policies, help="comma-separated policy names of router.policies.registry (default %(default)s)")
     p.add_argument("--tokens-per-block", type=int, default=512, help="tokens per trace hash id (default 512)")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: tokens per block)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: what the timing model's GPU holds)")

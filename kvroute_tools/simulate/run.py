@@ -20,10 +20,8 @@ from kvroute_tools.simulate.report import format_table, summarize, write_outputs
 from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.simulate.workload import time_scale_for_load
 from kvroute_tools.trace import BUNDLED_TRACE, TraceRequest, load_mooncake
-from router.policies import PEER_POLICIES
-from router.scoring import POLICY_NAMES, ScoringWeights
-
-ALL_POLICIES = POLICY_NAMES + PEER_POLICIES
+from router.policies.registry import ALL_POLICY_NAMES
+from router.scoring import ScoringWeights
 
 
 @dataclass
@@ -41,8 +39,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     """Check the flags and load the trace. Raises ValueError (one line naming the flag)."""
     policies = tuple(s.strip() for s in args.policies.split(",") if s.strip())
     for name in policies:
-        if name not in ALL_POLICIES:
-            raise ValueError(f"--policies: unknown {name!r}; expected some of {', '.join(ALL_POLICIES)}")
+        if name not in ALL_POLICY_NAMES:
+            raise ValueError(f"--policies: unknown {name!r}; expected some of {', '.join(ALL_POLICY_NAMES)}")
     try:
         counts = [int(s) for s in args.replicas.split(",") if s.strip()]
     except ValueError:
@@ -139,4 +137,4 @@ def _bar(desc: str, total: int, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 15.0)
 
 
-__all__ = ["ALL_POLICIES", "Plan", "build_plan", "simulate_main"]
+__all__ = ["Plan", "build_plan", "simulate_main"]

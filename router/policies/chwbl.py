@@ -17,9 +17,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import random
 from collections.abc import Sequence
 
-from router.scoring import Candidate, Policy, RequestShape, Scored
+from router.policies.base import Policy
+from router.scoring import Candidate, RequestShape, Scored, ScoringWeights
 
 
 def _point(key: str) -> int:
@@ -30,6 +32,7 @@ class BoundedLoadHashPolicy(Policy):
     """CHWBL over the candidates (module docstring). Cost = position of the replica on the walk."""
 
     name = "chwbl"
+    observes_prompt = True
 
     def __init__(self, load_factor: float = 1.25, replication: int = 256, prefix_blocks: int = 1):
         if load_factor < 1:
@@ -39,6 +42,10 @@ class BoundedLoadHashPolicy(Policy):
         self._points: list[int] = []
         self._owners: list[str] = []
         self._key = 0
+
+    @classmethod
+    def build(cls, weights: ScoringWeights | None, rng: random.Random) -> BoundedLoadHashPolicy:
+        return cls()
 
     def observe_prompt(self, block_hashes: Sequence[int]) -> None:
         """The next request's hash chain (its first ``prefix_blocks`` hashes make the key)."""

@@ -11,7 +11,7 @@ the worker holds for active requests, plus the request's. Lowest logit wins; wit
 (the default here) that is an argmin, ties at random; above 0 the logits are sampled by softmax.
 
 Where this simplifies: a worker's active blocks are its KV usage (last heartbeat) x
-``block_capacity`` (set by the caller; 0 leaves only the request's own blocks), where Dynamo counts
+``block_capacity`` (``set_block_capacity``, by the caller; 0 leaves only the request's own blocks), where Dynamo counts
 the blocks of the requests it routed; overlap_score_weight is 1 (Dynamo's default).
 """
 
@@ -21,7 +21,8 @@ import math
 import random
 from collections.abc import Sequence
 
-from router.scoring import Candidate, Policy, RequestShape, Scored, pick_lowest
+from router.policies.base import Policy
+from router.scoring import Candidate, RequestShape, Scored, pick_lowest
 
 
 class DynamoKVPolicy(Policy):
@@ -35,6 +36,9 @@ class DynamoKVPolicy(Policy):
         self.temperature = temperature
         self.block_capacity = block_capacity
         self.rng = rng or random.Random()
+
+    def set_block_capacity(self, blocks: int) -> None:
+        self.block_capacity = blocks
 
     def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
         B = req.block_size

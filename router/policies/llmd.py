@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router.scoring import Candidate, Policy, RequestShape, Scored, pick_lowest
+from router.policies.base import Policy
+from router.scoring import Candidate, RequestShape, Scored, pick_lowest
 
 
 class LlmdPolicy(Policy):

@@ -24,7 +24,8 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from router.scoring import Candidate, Policy, RequestShape, Scored, pick_lowest
+from router.policies.base import Policy
+from router.scoring import Candidate, RequestShape, Scored, pick_lowest
 
 
 class SGLangCacheAwarePolicy(Policy):

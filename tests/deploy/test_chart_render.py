@@ -327,7 +327,7 @@ def test_app_version_is_the_package_version():
 
 def test_the_schema_enums_are_the_codes_choices():
     from kvroute.hashing import HASH_ALGORITHMS
-    from router.scoring import POLICY_NAMES
+    from router.policies.registry import POLICY_NAMES
     from router.settings import RouterSettings
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]

@@ -25,9 +25,10 @@ from kvroute.v1 import generation_pb2 as gen_pb
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
+from router.policies.kvroute import KVRoutePolicy
 from router.registry import ReplicaRegistry
 from router.routing import NoReplicaError, QueuesFullError, RoutingService, classify_error
-from router.scoring import KVRoutePolicy, ScoringWeights
+from router.scoring import ScoringWeights
 
 B = 16
 WEIGHTS = ScoringWeights(prefill_tokens_per_s=1000.0, decode_seconds_per_running=0.002, prefill_work_weight=1.0,

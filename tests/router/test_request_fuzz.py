@@ -15,8 +15,9 @@ from kvroute.prompt import InvalidRequestError, PromptTokenizer
 from router.core import Router
 from router.index import BlockIndex
 from router.load import LoadTracker
+from router.policies.registry import make_policy
 from router.registry import ReplicaRegistry
-from router.scoring import ScoringWeights, make_policy
+from router.scoring import ScoringWeights
 from tests.support_fuzz import FUZZ_EXAMPLES, generate_requests
 
 

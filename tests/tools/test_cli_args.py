@@ -57,6 +57,9 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["bench", "--concurrency", "0"], "--concurrency: must be >= 1"),
         (["bench", "--policies", "kvroute,kvroute"], "--policies: a policy is listed twice"),
         (["bench", "--policies", "kvroute,"], "--policies: expected comma-separated policy names"),
+        # The live router's choices only (router.policies.registry): a peer's runs in kvroute simulate.
+        (["bench", "--policies", "kvroute,chwbl"],
+         "--policies: unknown 'chwbl'; expected some of kvroute, round_robin, least_loaded, random"),
         (["bench", "--target", "host-without-port"], "--target: expected HOST:PORT"),
         (["bench", "--bogus"], "unrecognized arguments: --bogus"),
         (["bench", "--admin-token-file", "/nonexistent/token"], "--admin-token-file: cannot read /nonexistent/token"),

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from router.index import Match
 from router.policies.chwbl import BoundedLoadHashPolicy
 from router.policies.dynamo import DynamoKVPolicy
 from router.policies.llmd import LlmdPolicy
+from router.policies.registry import ALL_POLICY_NAMES, make_policy
 from router.policies.sglang import SGLangCacheAwarePolicy
-from router.scoring import Candidate, RequestShape, make_policy
+from router.scoring import Candidate, RequestShape
 
 REQ = RequestShape(prompt_tokens=100, block_size=10)  # 10 blocks
 
@@ -60,3 +63,13 @@ def test_chwbl_sticks_to_its_ring_position_until_the_load_bound():
 def test_make_policy_builds_the_peer_policies():
     for name in ("sglang_cache_aware", "llmd", "dynamo", "chwbl"):
         assert make_policy(name, seed=1).name == name
+
+
+def test_the_registry_builds_every_policy_by_its_name_and_refuses_others():
+    assert ALL_POLICY_NAMES == ("kvroute", "round_robin", "least_loaded", "random",
+                                "sglang_cache_aware", "llmd", "dynamo", "chwbl")
+    for name in ALL_POLICY_NAMES:
+        assert make_policy(name, seed=1).name == name
+    with pytest.raises(ValueError, match="policy: unknown 'nope'; expected one of kvroute, round_robin, "
+                                         "least_loaded, random, sglang_cache_aware, llmd, dynamo, chwbl"):
+        make_policy("nope")

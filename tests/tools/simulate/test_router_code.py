@@ -7,10 +7,14 @@ import random
 
 import pytest
 
+from kvroute.hashing import BlockHasher
 from kvroute_tools.simulate.cluster import SimConfig, simulate
+from kvroute_tools.simulate.workload import prompt_of
 from kvroute_tools.trace import TRACE_BLOCK_TOKENS, TraceRequest
-from router.policies import PEER_POLICIES
-from router.scoring import DEFAULT_SCORERS, KVRoutePolicy
+from router.policies.baselines import RoundRobinPolicy
+from router.policies.kvroute import KVRoutePolicy
+from router.policies.registry import PEER_POLICY_NAMES
+from router.scoring import DEFAULT_SCORERS
 
 
 def _conversations() -> list[TraceRequest]:
@@ -43,8 +47,42 @@ def test_swapping_a_scorer_changes_the_picks():
     assert sum(r.cached_tokens for r in anti.requests) < sum(r.cached_tokens for r in default.requests)
 
 
-@pytest.mark.parametrize("name", PEER_POLICIES + ("round_robin", "least_loaded", "random"))
+@pytest.mark.parametrize("name", PEER_POLICY_NAMES + ("round_robin", "least_loaded", "random"))
 def test_every_policy_routes_the_whole_trace(name):
     run = simulate(_conversations(), _cfg(), name)
     assert sum(run.routed) == 9
     assert all(r.finish_s >= r.first_token_s > r.arrival_s for r in run.requests)
+
+
+class _Recording(RoundRobinPolicy):
+    """Round robin that records what the simulator tells it through the declared hooks."""
+
+    observes_prompt = True
+
+    def __init__(self):
+        super().__init__()
+        self.prompts: list[list[int]] = []
+        self.capacity = None
+
+    def observe_prompt(self, block_hashes):
+        self.prompts.append(list(block_hashes))
+
+    def set_block_capacity(self, blocks):
+        self.capacity = blocks
+
+
+def test_the_simulator_drives_the_declared_hooks():
+    trace, cfg = _conversations(), _cfg()
+    policy = _Recording()
+    simulate(trace, cfg, "recording", policy=policy)
+    assert policy.capacity == 256 - 1  # block 0 is the null block
+    hasher = BlockHasher(block_size=4)
+    expected = [hasher.event_ints(prompt_of(req, cfg.tokens_per_block)) for req in trace]
+    assert policy.prompts == [list(e) for e in expected]
+    assert [len(p) for p in policy.prompts] == [2, 2, 2, 3, 3, 3, 4, 4, 4]  # whole 4-token blocks
+
+
+def test_a_policy_without_the_hooks_is_left_alone():
+    policy = RoundRobinPolicy()
+    simulate(_conversations(), _cfg(), "round_robin", policy=policy)
+    assert not policy.observes_prompt and policy.index_from_kv_events and policy.speculative_ttl is None
