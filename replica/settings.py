@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
-from replica.attention.backend import BACKEND_NAMES
+from replica.attention.selector import BACKEND_NAMES
 from replica.engine.config import EngineConfig
 
 

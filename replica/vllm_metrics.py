@@ -25,15 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from replica.telemetry import CLIENT_GAVE_UP
-
-if TYPE_CHECKING:
-    from replica.frontend import ReplicaFrontend
+from replica.telemetry import CLIENT_GAVE_UP, EngineSample
 
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -62,10 +59,26 @@ class RequestTotals:
         self.generation_tokens += generation_tokens
 
 
+class MetricsSource(Protocol):
+    """What the collector reads of a replica (``replica.frontend.ReplicaFrontend`` is one): declared
+    here so that this module needs nothing of the frontend, which imports it for :class:`RequestTotals`."""
+
+    @property
+    def engine(self) -> object | None:
+        """None: no engine yet (the engine's gauges are left out)."""
+
+    @property
+    def totals(self) -> RequestTotals: ...
+
+    def latest_sample(self) -> EngineSample | None: ...
+
+    def queued(self) -> int: ...
+
+
 class VllmMetricsCollector(Collector):
     """The vLLM names of one replica's numbers (module docstring), for its Prometheus registry."""
 
-    def __init__(self, frontend: ReplicaFrontend, model_name: str) -> None:
+    def __init__(self, frontend: MetricsSource, model_name: str) -> None:
         self._fe = frontend
         self._labels = [model_name, "0"]
 
@@ -106,4 +119,4 @@ class VllmMetricsCollector(Collector):
             yield counter
 
 
-__all__ = ["FINISHED_REASONS", "RequestTotals", "VllmMetricsCollector"]
+__all__ = ["FINISHED_REASONS", "MetricsSource", "RequestTotals", "VllmMetricsCollector"]

@@ -46,7 +46,8 @@ from router.core import Router
 from router.discovery import Discovery, KubernetesDiscovery, RedisDiscovery, StaticDiscovery
 from router.http_api import router_http_app
 from router.index import BlockIndex
-from router.load import LoadTracker, RedisLoadSync
+from router.load import LoadTracker
+from router.load_sync import RedisLoadSync
 from router.picker.server import PickerServer
 from router.picker.servicer import EndpointPicker
 from router.policies.base import Policy

@@ -11,7 +11,7 @@ its first ``seq_len`` positions; padded rows come back as zeros. Backends subcla
 (CUDA, any block size; triton imported lazily); ``choose_backend`` is the documented choice between
 them and ``select_backend`` / ``resolve_backend`` build it.
 
-Modules: ``metadata``, ``kv_cache`` (the layout), ``backend`` (the base class and the choice),
+Modules: ``metadata``, ``kv_cache`` (the layout), ``backend`` (the base class), ``selector`` (the choice),
 ``torch_backend`` (with the compiled CPU decode kernel ``_cpu_paged``), ``flash_attn_backend``,
 ``triton_backend`` over ``triton_kernels``.
 
@@ -19,7 +19,7 @@ Imports: torch and numpy (a flash-attention build and triton lazily); nothing el
 the replica.
 """
 
-from replica.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
+from replica.attention.backend import AttentionBackend
 from replica.attention.flash_attn_backend import FlashAttnBackend, flash_attn_available
 from replica.attention.kv_cache import (
     allocate_kv_caches,
@@ -28,6 +28,7 @@ from replica.attention.kv_cache import (
     write_kv_cache,
 )
 from replica.attention.metadata import AttentionMetadata, build_attention_metadata
+from replica.attention.selector import BACKEND_NAMES, select_backend
 from replica.attention.torch_backend import TorchAttentionBackend
 from replica.attention.triton_backend import TritonAttentionBackend
 

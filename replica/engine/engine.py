@@ -17,8 +17,8 @@ from kvroute.hashing import BlockHasher, BlockHashKeys
 from kvroute.prompt import InvalidRequestError as PromptError
 from kvroute.prompt import text_ids
 from replica.attention import kv_cache_block_bytes
-from replica.attention.backend import resolve_backend
 from replica.attention.metadata import cuda_graph_sizes
+from replica.attention.selector import resolve_backend
 from replica.engine.config import EngineConfig, compute_num_blocks
 from replica.engine.detokenizer import IncrementalDetokenizer
 from replica.engine.errors import InvalidRequestError

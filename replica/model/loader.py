@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from kvroute.model_folder import ModelLoadError, read_json_file
 from kvroute.tokenizer import Tokenizer
-from replica.attention.backend import AttentionBackend, select_backend
+from replica.attention.backend import AttentionBackend
+from replica.attention.selector import select_backend
 from replica.model.config import ModelConfig
 from replica.model.llama import LlamaModel
 

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from replica.attention import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
-from replica.attention.backend import (
-    BackendChoice,
-    FlashBuild,
-    choose_backend,
-    resolve_backend,
-    select_backend,
-)
+from replica.attention.backend import FlashBuild
+from replica.attention.selector import BackendChoice, choose_backend, resolve_backend, select_backend
 
 UPSTREAM = FlashBuild("flash_attn", 256)
 FORK = FlashBuild("vllm_flash_attn", 16)
@@ -103,7 +98,7 @@ def only_upstream_flash(monkeypatch):
 
 
 def test_select_backend_probes_the_installed_builds(only_upstream_flash, caplog):
-    caplog.set_level("INFO", logger="replica.attention.backend")
+    caplog.set_level("INFO", logger="replica.attention.selector")
     choice, backend = resolve_backend("cuda", block_size=256, dtype=BF16)
     assert isinstance(backend, FlashAttnBackend) and backend.module == "flash_attn"
     assert choice.name == "flash_attn"
