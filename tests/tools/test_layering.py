@@ -1,6 +1,8 @@
 """The import-linter contracts in pyproject.toml ([tool.importlinter]) hold for the tree: kvroute at
 the bottom, router and replica independent on top of it, kvroute_tools above both; router free of
-replica and torch; kvroute free of everything above it. ``make test`` runs the same check first."""
+replica and torch; kvroute free of everything above it; inside router and replica, each module
+imports only the layers below its own, and no sibling modules import each other in a circle.
+``make test`` runs the same check first."""
 
 from __future__ import annotations
 
