@@ -61,20 +61,29 @@ def _get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what
     return value
 
 
-def _unsigned(body: Mapping[str, Any], name: str, field: str | None = None) -> int | None:
-    """An int the wire carries unsigned; a negative one is refused here (it cannot reach the engine)."""
+def _unsigned(body: Mapping[str, Any], name: str, field: str | None = None, *, least: int = 0) -> int | None:
+    """An int the wire carries unsigned, refused here below ``least`` (a negative one cannot reach
+    the engine; ``max_tokens`` passes ``least=1`` so that -5 and 0 get the engine's one message)."""
     value = _get(body, name, int, "an integer")
-    if value is not None and value < 0:
-        raise InvalidRequestError(field or name, f"must be at least 0, got {value}")
+    if value is not None and value < least:
+        raise InvalidRequestError(field or name, f"must be at least {least}, got {value}")
     return value
+
+
+def _unsupported_reason(value: Any, allowed: tuple[Any, ...]) -> str:
+    """In words: a feature whose only accepted values are "off" (False, 0, empty) is not supported;
+    ``n``/``best_of`` name the one value accepted."""
+    on = [a for a in allowed if a]
+    if not on:
+        return "not supported by this server"
+    return f"only {' or '.join(repr(a) for a in on)} is supported by this server, got {value!r}"
 
 
 def _check_supported(body: Mapping[str, Any]) -> None:
     for name, allowed in _UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-            raise InvalidRequestError(name, f"{value!r} is not supported by this server (supported: "
-                                            f"{', '.join(repr(a) for a in allowed if a is not None)})")
+            raise InvalidRequestError(name, _unsupported_reason(value, allowed))
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") not in (None, "text")):
         raise InvalidRequestError("response_format", f"only {{'type': 'text'}} is supported, got {fmt!r}")
@@ -93,8 +102,8 @@ def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.Samplin
     _check_supported(body)
     sp = gen_pb.SamplingParams()
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    for name, field in ((max_name, "max_tokens"), ("min_tokens", "min_tokens")):
-        value = _unsigned(body, name)
+    for name, field, least in ((max_name, "max_tokens", 1), ("min_tokens", "min_tokens", 0)):
+        value = _unsigned(body, name, least=least)
         if value is not None:
             setattr(sp, field, value)
     if chat and not sp.HasField("max_tokens"):  # OpenAI's chat API has no 16-token default: the room left

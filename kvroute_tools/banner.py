@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvroute.counted import counted
 from kvroute.redis_connect import redact
 
 EXAMPLE_PROMPT = "The harbour town woke before the sun."
@@ -21,7 +22,7 @@ def banner_text(cluster: Any) -> str:
         return f"  metrics {url}" if url else ""
 
     lines = [
-        f"kvroute up: {len(cluster.replicas)} replicas and a router are ready (logs in {cluster.log_dir})",
+        f"kvroute up: {counted(len(cluster.replicas), 'replica')} and a router are ready (logs in {cluster.log_dir})",
         f"  {'router':<11} {cluster.router_target:<22} pid {cluster.router.pid if cluster.router else '-'}{metrics('router')}",
     ]
     if cluster.envoy is not None and cluster.envoy.child is not None:

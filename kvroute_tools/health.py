@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvroute.counted import counted
 from kvroute.tls import open_channel
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
@@ -92,7 +93,7 @@ def check_health(target: str, timeout: float = 5.0, *, credentials: grpc.Channel
             return HealthReport(False, f"router at {target}: Score failed: {e.code().name}: {e.details()}")
     routable = [r.replica_id for r in scored.replicas if r.routable]
     if routable:
-        return HealthReport(True, f"router at {target}: SERVING, {len(routable)} routable replica(s): "
+        return HealthReport(True, f"router at {target}: SERVING, {counted(len(routable), 'routable replica')}: "
                                   + ", ".join(routable))
     if not scored.replicas:
         return HealthReport(False, f"router at {target}: SERVING but no replica is known (none heartbeating"

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.counted import counted
 from kvroute.engine_info import EngineInfo
 from kvroute.grpc_errors import RpcError, call_outcome
 from kvroute.prompt import check_model, prompt_ids
@@ -243,7 +244,7 @@ class ReplicaFrontend:
             if queued >= self.max_waiting:
                 raise RpcError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"waiting queue is full ({queued} requests, max_waiting={self.max_waiting}); retry later",
+                    f"waiting queue is full ({counted(queued, 'request')}, max_waiting={self.max_waiting}); retry later",
                 )
             call = _Call(rid, req, time.time_ns())
             self._calls[rid] = call

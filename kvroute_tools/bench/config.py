@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvroute.counted import counted
 from kvroute_tools.trace import BUNDLED_TRACE
 
 PROMPT_LENGTHS = ("input_length", "hash_ids")
@@ -70,7 +71,7 @@ class BenchConfig:
     @property
     def mode(self) -> str:
         """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
-        turns = f"; policies take turns every {self.interleave} requests" if self.interleave else ""
+        turns = f"; policies take turns every {counted(self.interleave, 'request')}" if self.interleave else ""
         turns += f"; over the OpenAI-compatible API at {self.http_url}" if self.api == "openai" else ""
         if self.time_scale is None:
             return f"closed loop, concurrency {self.effective_concurrency}{turns}"

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvroute.counted import counted
 from kvroute_tools.bench.config import BenchConfig
 
 
@@ -143,7 +144,7 @@ def format_report(report: BenchReport) -> str:
             f"{_ms(p.percentile('ttft_s', 99)):>10}{_ms(p.percentile('tpot_s', 50)):>10}   {shares}"
         )
     lines.append("")
-    lines.append(f"bounds from the hash ids alone ({report.num_requests} requests, infinite caches): "
+    lines.append(f"bounds from the hash ids alone ({counted(report.num_requests, 'request')}, infinite caches): "
                  f"ideal {ideal:.3f}, round robin over {len(ids)} {rr:.3f}")
     sources = {p.hit_rate_source for p in report.policies}
     lines.append(f"hit rate = prefix-cache hit tokens / queried tokens ({', '.join(sorted(sources))}); "
@@ -151,7 +152,7 @@ def format_report(report: BenchReport) -> str:
     for p in report.policies:
         n, tokens = p.routed_past
         if n:
-            lines.append(f"{p.policy}: {n} requests went past a longer prefix another replica held "
+            lines.append(f"{p.policy}: {counted(n, 'request')} went past a longer prefix another replica held "
                          f"({tokens / max(report.prompt_tokens, 1):.4f} of the prompt tokens, against infinite caches)")
     by_name = {p.policy: p for p in report.policies}
     if "kvroute" in by_name and "round_robin" in by_name:
@@ -205,7 +206,7 @@ def _chart(report: BenchReport, path: Path) -> None:
     ax2.set_ylabel("time to first token (ms)")
     ax2.legend(fontsize=8)
     ax2.set_title("TTFT")
-    fig.suptitle(f"kvroute bench: {report.num_requests} requests, {len(report.replicas)} replicas, {report.model}")
+    fig.suptitle(f"kvroute bench: {counted(report.num_requests, 'request')}, {counted(len(report.replicas), 'replica')}, {report.model}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

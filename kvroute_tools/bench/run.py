@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.counted import counted
 from kvroute.responses import MD_PREDICTED, MD_REPLICA
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -299,9 +300,9 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
             prompt_tokens=sum(len(p.token_ids) for p in planned), truncated=truncated,
         )
         run_id = secrets.token_hex(4)
-        log(f"kvroute bench: {len(planned)} requests of {cfg.trace} ({report.prompt_tokens:,} prompt tokens, "
+        log(f"kvroute bench: {counted(len(planned), 'request')} of {cfg.trace} ({report.prompt_tokens:,} prompt tokens, "
             f"{cfg.tokens_per_block} per trace block{', every hash id whole' if whole_blocks else ''}; {sum(p.max_tokens for p in planned):,} output tokens) "
-            f"through {cfg.target}: model {info.model}, {len(replicas)} replicas; {cfg.mode}; run id {run_id}")
+            f"through {cfg.target}: model {info.model}, {counted(len(replicas), 'replica')}; {cfg.mode}; run id {run_id}")
         if cfg.tokens_per_block % info.block_size:
             log(f"note: --tokens-per-block {cfg.tokens_per_block} is not a multiple of the KV block size "
                 f"{info.block_size}, so trace blocks and KV blocks do not line up; the bounds are looser")
@@ -309,7 +310,7 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
             log(f"note: the bounds count whole KV blocks of {info.block_size} with the last prompt token "
                 "recomputed (the engine's lookup rule)")
         if truncated:
-            log(f"note: {truncated} prompts were cut to the model's max_model_len {info.max_model_len}")
+            log(f"note: {counted(truncated, 'prompt')} {'was' if truncated == 1 else 'were'} cut to the model's max_model_len {info.max_model_len}")
         runs = [_PolicyRun(p, f"kvroute-bench:{run_id}:{p}") for p in cfg.policies]
         step = cfg.interleave or len(planned)
         progress = _Progress(cfg.policies, len(planned), cfg.progress)

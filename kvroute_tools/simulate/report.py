@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvroute.counted import counted
 from kvroute_tools.simulate.cluster import PolicyRun
 from kvroute_tools.simulate.oracles import OracleRates
 
@@ -107,7 +108,7 @@ def write_outputs(out: str | Path, rows: Sequence[dict], oracles: dict[int, Orac
         for r in rows:
             if r["replicas"] == n:
                 ax.plot(r["ttft_cdf_ms"], [q / 100 for q in range(1, 101)], label=r["policy"])
-        ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", xscale="log", title=f"TTFT CDF, {n} replicas")
+        ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", xscale="log", title=f"TTFT CDF, {counted(n, 'replica')}")
         ax.legend(fontsize=7)
         fig.tight_layout()
         files.append(out / f"ttft_cdf_{n}.png")

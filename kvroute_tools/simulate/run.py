@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from kvroute.counted import counted
 from kvroute_tools.simulate.cluster import SimConfig, SimError, simulate
 from kvroute_tools.simulate.flags import TIMING_FLAGS
 from kvroute_tools.simulate.oracles import OracleRates, oracle_rates, ttft_floor, unique_blocks
@@ -94,7 +95,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
 def simulate_main(args: argparse.Namespace) -> int:
     """Run the plan in ``args.plan``; print the tables. 0, or 2 when a request cannot fit."""
     plan: Plan = args.plan
-    print(f"kvroute simulate: {len(plan.trace):,} requests of {plan.trace_name}; timing model: {plan.timing.name}")
+    print(f"kvroute simulate: {counted(len(plan.trace), 'request', spec=',')} of {plan.trace_name}; timing model: {plan.timing.name}")
     rows: list[dict] = []
     oracles: dict[int, OracleRates] = {}
     first = plan.configs[0]
@@ -118,7 +119,7 @@ def simulate_main(args: argparse.Namespace) -> int:
             group.append(summarize(run, oracle))
         rows += group
         print()
-        print(format_table(group, oracle, f"{cfg.replicas} replicas x {cfg.num_blocks - 1:,} blocks of"
+        print(format_table(group, oracle, f"{counted(cfg.replicas, 'replica')} x {counted(cfg.num_blocks - 1, 'block', spec=',')} of"
                                           f" {cfg.block_size} tokens, time scale {cfg.time_scale:.4g}"))
     if args.out:
         meta = {"trace": plan.trace_name, "requests": len(plan.trace), "timing": plan.timing.to_dict(),

@@ -93,7 +93,7 @@ def test_the_rendered_release_runs_routes_and_drains(cluster):
              "both replicas routable on both routers")
     done = local.run_pod(test_pod)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (f"router at {routers[0].ip}:50050: SERVING, 2 routable replica(s): "
+    assert done.stdout.strip() == (f"router at {routers[0].ip}:50050: SERVING, 2 routable replicas: "
                                    f"{REPLICA}-0, {REPLICA}-1")  # the Service name resolved to a router pod
 
     # 50 generations through the router Service's port (kube-proxy spreads them over the pods).
@@ -128,7 +128,7 @@ def test_the_rendered_release_runs_routes_and_drains(cluster):
     leaving.terminating = True
     api.put(local.endpoint_slice(REPLICA))
     leaving.procs["replica"].send_signal(signal.SIGTERM)
-    wait_for(lambda: all(check_health(f"{r.ip}:50050").line.endswith(f"1 routable replica(s): {staying.name}")
+    wait_for(lambda: all(check_health(f"{r.ip}:50050").line.endswith(f"1 routable replica: {staying.name}")
                          for r in routers), 30, "the terminating replica unroutable")
     for i in range(6):
         with grpc.insecure_channel(f"{routers[i % 2].ip}:50050") as ch:

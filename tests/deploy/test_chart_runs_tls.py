@@ -68,7 +68,7 @@ def test_the_rendered_release_runs_over_mutual_tls(tmp_path: Path):
 
         done = local.run_pod(find(docs, "Pod", f"{FULLNAME}-test-health"))
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == f"router at {router.ip}:50050: SERVING, 1 routable replica(s): {replica.name}"
+        assert done.stdout.strip() == f"router at {router.ip}:50050: SERVING, 1 routable replica: {replica.name}"
 
         target = f"{router.ip}:50050"
         client = channel_credentials(str(ca.file), cert, key)

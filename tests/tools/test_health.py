@@ -69,7 +69,7 @@ def test_a_routable_replica_makes_it_healthy(capsys, server, default_model_dir, 
         wait_for(lambda: r.server.registry.routable(), what="ok-0 routable")
         code, out, err = _health(capsys, r.target)
     assert (code, err) == (0, "")
-    assert out == f"router at {r.target}: SERVING, 1 routable replica(s): ok-0"
+    assert out == f"router at {r.target}: SERVING, 1 routable replica: ok-0"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
