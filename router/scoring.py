@@ -47,42 +47,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.index import Match
+from router.weights import ScoringWeights
 
 DEFAULT_PREFILL_TOKENS_PER_S = 20000.0
 """Prefill rate, tokens/s, of a replica that has published no measurement (nor a setting given)."""
 DEFAULT_DECODE_SECONDS_PER_RUNNING = 0.002
 """TTFT added per running sequence, seconds, likewise."""
-
-
-@dataclass(frozen=True)
-class ScoringWeights:
-    """Knobs of the cost model (settings ``--prefill-tokens-per-s`` etc.). ``prefill_tokens_per_s``
-    and ``decode_seconds_per_running`` None: each replica's measured ones (module docstring)."""
-
-    prefill_tokens_per_s: float | None = None  # a replica's prefill throughput, tokens/s: overrides the measured
-    decode_seconds_per_running: float | None = None  # TTFT added per running sequence (decode interference), s
-    # 30 and 2: chosen on `kvroute simulate` (8-64 modelled H100 replicas), checked on `make run`
-    # (4 CPU replicas on 2 cores) and the peers' workload, one default for all (docs/results.md).
-    prefill_work_weight: float = 30.0  # weight of the prefill work this request adds to the cluster
-    backlog_work_weight: float = 1.0  # more weight on that work per request waiting on the replica
-    cpu_match_weight: float = 0.5  # fraction of a block's prefill saved by a CPU-tier hit (copy-back cost)
-    kv_footprint_weight: float = 2.0  # weight of the prompt's prefill seconds, charged x the KV usage
-    # Off by default: a fixed cost per unit of the last heartbeat's usage moves a short prompt off
-    # the replica holding its prefix when that replica was busy a moment ago (the footprint term does not).
-    kv_usage_weight: float = 0.0  # seconds added at 100% KV usage
-    in_flight_weight: float = 0.0  # seconds added per request in flight from the routers
-
-    def __post_init__(self) -> None:
-        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
-        if self.decode_seconds_per_running is not None and not self.decode_seconds_per_running >= 0:
-            raise ValueError(f"decode_seconds_per_running: must be >= 0, got {self.decode_seconds_per_running}")
-        if not self.backlog_work_weight >= 0:
-            raise ValueError(f"backlog_work_weight: must be >= 0, got {self.backlog_work_weight}")
-        if not self.kv_footprint_weight >= 0:
-            raise ValueError(f"kv_footprint_weight: must be >= 0, got {self.kv_footprint_weight}")
-        if not 0.0 <= self.cpu_match_weight <= 1.0:
-            raise ValueError(f"cpu_match_weight: must be in [0, 1], got {self.cpu_match_weight}")
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
 from router.policies.registry import POLICY_NAMES
-from router.scoring import ScoringWeights
+from router.weights import ScoringWeights
 
 
 @dataclass(frozen=True)
-class RouterSettings:
-    """Every setting of one router process (flags override ``KVROUTE_*`` variables)."""
+class RouterSettings(ScoringWeights):
+    """Every setting of one router process (flags override ``KVROUTE_*`` variables): the cost
+    model's weights (inherited from ``ScoringWeights``, declared there once) and the rest."""
 
     host: str = setting("127.0.0.1", "gRPC listen address")
     port: int = setting(50050, "gRPC port (0 = pick a free one)")
@@ -43,24 +44,6 @@ class RouterSettings:
     hash_seed: str = setting(DEFAULT_SEED, "block hash seed (must match the replicas')")
     policy: str = setting("kvroute", "routing policy", choices=POLICY_NAMES)
     seed: int = setting(-1, "seed of the tie-breaking generator (-1 = random)")
-    prefill_tokens_per_s: float | None = setting(
-        None, "a replica's prefill rate, tokens/s, for every replica (default: each replica's measured one)"
-    )
-    decode_seconds_per_running: float | None = setting(
-        None, "TTFT added per running sequence, seconds, for every replica (default: each replica's measured one)"
-    )
-    prefill_work_weight: float = setting(
-        ScoringWeights.prefill_work_weight, "weight of the prefill work a request adds to the cluster"
-    )
-    backlog_work_weight: float = setting(
-        ScoringWeights.backlog_work_weight, "more weight on the prefill work per request waiting on the replica"
-    )
-    cpu_match_weight: float = setting(ScoringWeights.cpu_match_weight, "weight of a CPU-tier block vs a GPU one")
-    kv_footprint_weight: float = setting(
-        ScoringWeights.kv_footprint_weight, "weight of the prompt's prefill seconds, charged times the replica's KV usage"
-    )
-    kv_usage_weight: float = setting(ScoringWeights.kv_usage_weight, "seconds added at full KV usage")
-    in_flight_weight: float = setting(ScoringWeights.in_flight_weight, "seconds added per in-flight request")
     speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
     load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
@@ -88,15 +71,3 @@ class RouterSettings:
     @property
     def resolved_router_id(self) -> str:
         return self.router_id or f"{socket.gethostname()}-{self.port}"
-
-    def weights(self) -> ScoringWeights:
-        return ScoringWeights(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
-            decode_seconds_per_running=self.decode_seconds_per_running,
-            prefill_work_weight=self.prefill_work_weight,
-            backlog_work_weight=self.backlog_work_weight,
-            cpu_match_weight=self.cpu_match_weight,
-            kv_footprint_weight=self.kv_footprint_weight,
-            kv_usage_weight=self.kv_usage_weight,
-            in_flight_weight=self.in_flight_weight,
-        )

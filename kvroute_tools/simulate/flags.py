@@ -1,13 +1,17 @@
 """The flags of ``kvroute simulate`` (and ``kvroute demo``), argparse only: building the parser
-imports neither the router nor the replica packages."""
+imports neither the router nor the replica packages, only the leaf that declares the cost model's
+weights (``router.weights``), whose fields are the same flags as the router's."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+
+from router.weights import ScoringWeights
 
 # (flag, TimingModel field, unit of the flag in seconds, what it is)
 TIMING_FLAGS = (("step_overhead_ms", "overhead_s", 1e-3, "fixed cost of a step, ms"),
-                ("weights_ms", "weights_s", 1e-3, "reading the weights once (a step's floor), ms"),
+                ("model_read_ms", "weights_s", 1e-3, "reading the model's weights once (a step's floor), ms"),
                 ("token_us", "token_s", 1e-6, "compute per scheduled token once compute bound, us"),
                 ("kv_token_ns", "kv_token_s", 1e-9, "reading one context token's KV, ns"))
 
@@ -33,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser, *, requests: int | None, replicas:
     p.add_argument("--event-delay-ms", type=float, default=10.0, help="KV events reach the router this long after their step, ms (default 10)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period (default 1 s)")
     p.add_argument("--speculative-ttl", type=float, default=2.0, help="the router's speculative entries, seconds")
-    p.add_argument("--weights", default="",
-                   help="kvroute cost model weights, NAME=VALUE,... of router.scoring.ScoringWeights' fields "
-                        "(e.g. prefill_work_weight=5,kv_usage_weight=0.5)")
+    for f in dataclasses.fields(ScoringWeights):  # the router's own flags for its cost model
+        p.add_argument("--" + f.name.replace("_", "-"), type=float, default=None,
+                       help=f"kvroute's cost model: {f.metadata['help']} (default {f.default})")
     p.add_argument("--calibration", default=None, help="JSON file of TimingModel fields (overridden by the flags below)")
     for flag, _, _, what in TIMING_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"timing model: {what}")

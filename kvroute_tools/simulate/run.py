@@ -22,7 +22,7 @@ from kvroute_tools.simulate.timing import TimingModel
 from kvroute_tools.simulate.workload import time_scale_for_load
 from kvroute_tools.trace import BUNDLED_TRACE, TraceRequest, load_mooncake
 from router.policies.registry import ALL_POLICY_NAMES
-from router.scoring import ScoringWeights
+from router.weights import WEIGHT_NAMES, ScoringWeights
 
 
 @dataclass
@@ -56,16 +56,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     overrides = {field: getattr(args, flag) * unit for flag, field, unit, _ in TIMING_FLAGS
                  if getattr(args, flag) is not None}
     timing = dataclasses.replace(timing, **overrides)
-    wkw = {}
-    for item in filter(None, (s.strip() for s in args.weights.split(","))):
-        name, _, value = item.partition("=")
-        if name not in {f.name for f in dataclasses.fields(ScoringWeights)}:
-            raise ValueError(f"--weights: unknown {name!r}; expected fields of ScoringWeights")
-        try:
-            wkw[name] = float(value)
-        except ValueError:
-            raise ValueError(f"--weights: {name} needs a number, got {value!r}") from None
-    weights = ScoringWeights(**wkw)
+    wkw = {name: getattr(args, name) for name in WEIGHT_NAMES if getattr(args, name) is not None}
+    weights = ScoringWeights(**wkw)  # a bad value: ValueError naming the weight
     path = args.trace or BUNDLED_TRACE
     trace = load_mooncake(path, limit=args.requests)
     if not trace:
