@@ -42,12 +42,23 @@ def secret_from(settings: Any, name: str) -> str | None:
         return value
     if value is not None:
         raise ValueError(f"{name}, {name}_file: set one, not both")
+    return read_secret_file(path, f"{name}_file")
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The first line of the file ``path`` holding a secret; ``what`` names the setting or flag
+    that gave the path in an error.
+
+    Raises:
+        ValueError: the file cannot be read or its first line is empty (the message starts with
+            ``what``, never holds the secret).
+    """
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ValueError(f"{name}_file: cannot read {path} ({e.strerror})") from e
+        raise ValueError(f"{what}: cannot read {path} ({e.strerror})") from e
     if not lines or not lines[0]:
-        raise ValueError(f"{name}_file: {path} is empty")
+        raise ValueError(f"{what}: {path} is empty")
     return lines[0]
 
 

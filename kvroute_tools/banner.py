@@ -41,7 +41,7 @@ def banner_text(cluster: Any) -> str:
         f"  kvroute generate --target {t} \"{EXAMPLE_PROMPT}\"",
         f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\", \"sampling\": {{\"max_tokens\": 16}}}}' "
         f"{t} kvroute.v1.GenerationService/GenerateStream",
-        f"  kvroute bench --target {t} --admin-token-file {cluster.admin_token_file} --requests 200",
+        f"  kvroute bench --target {t} --admin-token-file {cluster.admin_token_file} --requests 200 --tokens-per-block 16",
     ]
     if cluster.router_http_url:
         lines.insert(-4, f"  openai      {cluster.router_http_url} (the router's OpenAI-compatible HTTP API)")

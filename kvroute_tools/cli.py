@@ -33,6 +33,8 @@ import argparse
 import shlex
 import sys
 
+from kvroute_tools.trace import TRACE_BLOCK_TOKENS
+
 
 def int_in(lo: int, hi: int):
     """An argparse ``type``: an int in ``[lo, hi]``, else the usage line and exit 2 naming the flag."""
@@ -188,13 +190,9 @@ def _check_tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _admin_token(path: str) -> str:
     """The router's admin token from ``--admin-token-file`` ("" when not given). Raises ValueError."""
-    from kvroute.settings import secret_from
+    from kvroute.settings import read_secret_file
 
-    flags = argparse.Namespace(admin_token="", admin_token_file=path)
-    try:
-        return secret_from(flags, "admin_token") or ""
-    except ValueError as e:
-        raise ValueError(f"--{e}".replace("admin_token_file", "admin-token-file")) from e
+    return read_secret_file(path, "--admin-token-file") if path else ""
 
 
 def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -331,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled FAST'25 trace)")
     b.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
     b.add_argument("--requests", type=int, default=1000, help="the first N trace requests (default 1000)")
-    b.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block (default 16)")
+    b.add_argument("--tokens-per-block", type=int, default=TRACE_BLOCK_TOKENS,
+                   help="tokens per 512-token trace block (default %(default)s, the trace's own; fewer scale the replay down to a small model, as make run does with 16)")
     b.add_argument("--prompt-length", default="input_length", choices=("input_length", "hash_ids"),
                    help="each prompt is the trace's input_length scaled by --tokens-per-block / 512 (default), "
                         "or len(hash_ids) x --tokens-per-block: every hash id a whole block, as "

@@ -20,8 +20,10 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported on first use: the CLI's flag parsers read this module's constants
+    import numpy as np
 
 TRACE_BLOCK_TOKENS = 512  # the block size the Mooncake FAST'25 hash ids were computed with
 BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_fast25_conversation_trace.jsonl"
@@ -74,7 +76,7 @@ class TraceTokenizer:
             unused), instead of ``input_length`` scaled (module docstring).
     """
 
-    def __init__(self, tokens_per_block: int = 16, vocab_size: int = 32000, low: int = 0, seed: int = 0,
+    def __init__(self, tokens_per_block: int = TRACE_BLOCK_TOKENS, vocab_size: int = 32000, low: int = 0, seed: int = 0,
                  whole_blocks: bool = False):
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block: must be >= 1, got {tokens_per_block}")
@@ -91,6 +93,8 @@ class TraceTokenizer:
         """The token block of ``hash_id`` (int64, shape [tokens_per_block])."""
         blk = self._cache.get(hash_id)
         if blk is None:
+            import numpy as np
+
             rng = np.random.default_rng([self.seed, hash_id])
             blk = rng.integers(self.low, self.vocab_size, self.tokens_per_block, dtype=np.int64)
             self._cache[hash_id] = blk
@@ -108,6 +112,8 @@ class TraceTokenizer:
         """The request's prompt token ids."""
         if not req.hash_ids:
             raise ValueError("hash_ids: empty")
+        import numpy as np
+
         toks = np.concatenate([self.block(h) for h in req.hash_ids])
         return toks[: self.prompt_len(req)].tolist()
 

@@ -115,7 +115,7 @@ class BenchReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "config": asdict(self.config), "model": self.model, "block_size": self.block_size,
+            "config": {k: v for k, v in asdict(self.config).items() if k != "admin_token"}, "model": self.model, "block_size": self.block_size,
             "replicas": self.replicas, "bounds": self.bounds, "requests": self.num_requests,
             "prompt_tokens": self.prompt_tokens, "truncated_prompts": self.truncated,
             "policies": [p.summary() for p in self.policies],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from kvroute_tools.trace import TRACE_BLOCK_TOKENS
 from router.weights import ScoringWeights
 
 # (flag, TimingModel field, unit of the flag in seconds, what it is)
@@ -22,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser, *, requests: int | None, replicas:
     p.add_argument("--requests", type=int, default=requests, help=f"the first N requests (default: {requests or 'all'})")
     p.add_argument("--replicas", default=replicas, help="replica counts, comma-separated (default %(default)s)")
     p.add_argument("--policies", default=policies, help="comma-separated policy names of router.policies.registry (default %(default)s)")
-    p.add_argument("--tokens-per-block", type=int, default=512, help="tokens per trace hash id (default 512)")
+    p.add_argument("--tokens-per-block", type=int, default=TRACE_BLOCK_TOKENS,
+                   help="tokens per trace hash id (default %(default)s, the trace's own, as kvroute bench)")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: tokens per block)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: what the timing model's GPU holds)")
     p.add_argument("--cache-fraction", type=float, default=None,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,8 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
         assert "bounds from the hash ids alone (30 requests, infinite caches): ideal" in table
         assert "30/30" in bench.stderr  # the progress bar ran to the end
         report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+        token = Path(token_file).read_text().strip()
+        assert token and token not in (tmp_path / "bench" / "bench.json").read_text()  # not written unasked
         assert [p["policy"] for p in report["policies"]] == ["kvroute", "round_robin"]
         assert all(p["hit_rate_source"] == "replica counters" for p in report["policies"])
         assert (tmp_path / "bench" / "bench.png").stat().st_size > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
@@ -85,7 +86,7 @@ def _policy(name: str, replicas: list[str], hits: int, ttft: float) -> PolicyRes
 def test_report_is_one_table_with_a_row_per_policy_and_the_bounds():
     ids = ["replica-0", "replica-1"]
     report = BenchReport(
-        config=BenchConfig(target="127.0.0.1:1"), model="m", block_size=16,
+        config=BenchConfig(target="127.0.0.1:1", admin_token="s3cret-token"), model="m", block_size=16,
         replicas={i: f"127.0.0.1:{n}" for n, i in enumerate(ids, 1)},
         bounds={"prompt_tokens": 1, "ideal": 0.25, "round_robin": 0.1}, num_requests=5, prompt_tokens=500,
         truncated=0, policies=[_policy("kvroute", ids, 96, 0.040), _policy("round_robin", ids, 40, 0.080)],
@@ -106,6 +107,9 @@ def test_report_is_one_table_with_a_row_per_policy_and_the_bounds():
     assert "kvroute: 3 requests went past a longer prefix another replica held (0.1000 of the prompt tokens" \
         in format_report(report)
     assert report.to_json()["policies"][0]["routed_past_a_longer_prefix"] == {"requests": 3, "tokens": 50}
+    # bench.json holds the run's settings, never the router's admin token
+    assert report.to_json()["config"]["target"] == "127.0.0.1:1"
+    assert "s3cret-token" not in json.dumps(report.to_json())
 
 
 def test_routed_past_counts_the_prefix_another_replica_held_under_the_lookup_rule():
