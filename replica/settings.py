@@ -6,14 +6,14 @@ import socket
 from dataclasses import dataclass
 
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
-from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
+from kvroute.shared_settings import RedisSettings, ServingSettings
 from replica.attention.selector import BACKEND_NAMES
 from replica.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
-class ReplicaSettings:
+class ReplicaSettings(RedisSettings, ServingSettings):
     """Every setting of one replica process (flags override ``KVROUTE_*`` variables)."""
 
     model: str = setting("", "model folder (Hugging Face layout); empty = the generated default model")
@@ -22,17 +22,7 @@ class ReplicaSettings:
     port: int = setting(50051, "gRPC port (0 = pick a free one)")
     advertise_address: str = setting("", "host:port the router dials (default host:port)")
     replica_id: str = setting("", "unique id in the cluster (default hostname-port)")
-    http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
-    metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
-    metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("", "Redis for KV events and heartbeats (empty = do not publish)")
-    redis_password: str = setting(
-        "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
-    )
-    redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
-    redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
-    namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
-    event_shards: int = setting(1, "number of event streams the cluster shards over")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats")
     heartbeat_ttl: float = setting(
         0.0, "seconds the heartbeat key lives, at least one interval (0 = 3 heartbeats): how long routers keep a"
@@ -67,9 +57,6 @@ class ReplicaSettings:
     cpu_offload_blocks: int = setting(0, "CPU-tier KV blocks (0 = no CPU tier)")
     torch_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     seed: int = setting(0, "seed of the shared sampling generator")
-    tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
-    tls_key_file: str = setting("", "gRPC server private key (PEM)")
-    tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
     enforce_eager: bool = setting(False, "never run decode steps as CUDA graphs")
 
     @property

@@ -6,31 +6,21 @@ import socket
 from dataclasses import dataclass
 
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_SEED, HASH_ALGORITHMS
-from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
+from kvroute.shared_settings import RedisSettings, ServingSettings
 from router.policies.registry import POLICY_NAMES
 from router.weights import ScoringWeights
 
 
 @dataclass(frozen=True)
-class RouterSettings(ScoringWeights):
+class RouterSettings(ScoringWeights, RedisSettings, ServingSettings):
     """Every setting of one router process (flags override ``KVROUTE_*`` variables): the cost
     model's weights (inherited from ``ScoringWeights``, declared there once) and the rest."""
 
     host: str = setting("127.0.0.1", "gRPC listen address")
     port: int = setting(50050, "gRPC port (0 = pick a free one)")
     router_id: str = setting("", "unique id among routers (default hostname-port)")
-    http_port: int = setting(-1, "OpenAI-compatible HTTP API port (-1 = off, 0 = pick a free one)")
-    metrics_port: int = setting(-1, "Prometheus scrape port (-1 = off, 0 = pick a free one)")
-    metrics_host: str = setting("", "Prometheus scrape listen address (empty = the host setting's)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding the replicas' events and heartbeats")
-    redis_password: str = setting(
-        "", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD; never logged)", secret=True
-    )
-    redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
-    redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
-    namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
-    event_shards: int = setting(1, "number of event streams the cluster shards over")
     discovery: str = setting("redis", "how replicas are found", choices=("static", "redis", "kubernetes"))
     replicas: str = setting("", "static discovery: comma-separated host:port list")
     k8s_namespace: str = setting("default", "kubernetes discovery: namespace of the replica Service")
@@ -48,9 +38,6 @@ class RouterSettings(ScoringWeights):
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
     load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
     max_retries: int = setting(2, "other replicas tried when one fails before the first token")
-    tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
-    tls_key_file: str = setting("", "gRPC server private key (PEM)")
-    tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
     replica_tls_ca_file: str = setting("", "CA bundle (PEM) that verifies the replicas: set = TLS to replicas")
     replica_tls_cert_file: str = setting("", "client certificate chain (PEM) shown to replicas that require mTLS")
     replica_tls_key_file: str = setting("", "client private key (PEM) for replica_tls_cert_file")

@@ -11,3 +11,20 @@ def test_the_redis_password_comes_from_the_environment_and_never_shows_in_the_re
     assert (s.redis_password, s.port) == ("hunter2", 7000)
     assert "hunter2" not in repr(s) and "redis_password=" not in repr(s)  # (redis_password_file= is shown)
     assert load_settings(RouterSettings, ["--port", "7001"], env={"KVROUTE_PORT": "7000"}).port == 7001
+
+
+def test_the_shared_redis_and_serving_settings_are_declared_once_for_both_processes():
+    import dataclasses
+
+    from kvroute.shared_settings import RedisSettings, ServingSettings
+    from replica.settings import ReplicaSettings
+    from router.settings import RouterSettings
+
+    shared = {f.name: f for base in (RedisSettings, ServingSettings) for f in dataclasses.fields(base)}
+    assert {"redis_password", "redis_password_file", "redis_ca_file", "namespace", "event_shards", "http_port",
+            "metrics_port", "metrics_host", "tls_cert_file", "tls_key_file", "tls_client_ca_file"} == set(shared)
+    for cls in (RouterSettings, ReplicaSettings):
+        assert not set(cls.__annotations__) & set(shared), f"{cls.__name__} declares a shared setting again"
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, f in shared.items():
+            assert (fields[name].default, fields[name].metadata) == (f.default, f.metadata)
