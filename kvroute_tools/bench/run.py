@@ -76,6 +76,7 @@ class _Cluster:
         self._replica_channels: dict[str, grpc.aio.Channel] = {}
         self.openai = openai  # --api openai: the requests go there (SetPolicy and counters stay gRPC)
         self.model = ""
+        self.policy = ""  # the router's active policy, as last read or set
 
     async def close(self) -> None:
         if self.openai is not None:
@@ -91,11 +92,16 @@ class _Cluster:
         routable = {r.replica_id: r.address for r in resp.replicas if r.routable}
         lines = [f"{r.replica_id} {r.address} {'routable' if r.routable else 'NOT routable: ' + r.reason}"
                  for r in resp.replicas]
+        self.policy = resp.policy
         return dict(sorted(routable.items())), lines, resp.policy
 
     async def set_policy(self, name: str) -> str:
+        """Make ``name`` the router's policy: no call (so no admin token needed) when it already is."""
+        if name == self.policy:
+            return name
         resp = await self.router.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S,
                                            metadata=self._admin)
+        self.policy = resp.policy
         return resp.policy
 
     async def counters(self, replicas: dict[str, str]) -> dict[str, rep_pb.Load | None]:

@@ -137,8 +137,8 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
         _check_metrics(banner, summary)
 
         bench = subprocess.run(
-            [*KVROUTE, "bench", "--target", target, "--requests", "30", "--concurrency", "4", "--out",
-             str(tmp_path / "bench"), "--admin-token-file", token_file],
+            [*KVROUTE, "bench", "--target", target, "--requests", "30", "--concurrency", "4", "--tokens-per-block",
+             "16", "--out", str(tmp_path / "bench"), "--admin-token-file", token_file],
             capture_output=True, text=True, timeout=120,
         )
         assert bench.returncode == 0, bench.stdout + bench.stderr
@@ -154,6 +154,13 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
         assert [p["policy"] for p in report["policies"]] == ["kvroute", "round_robin"]
         assert all(p["hit_rate_source"] == "replica counters" for p in report["policies"])
         assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+        # The policy already active needs no SetPolicy, so no admin token.
+        one = subprocess.run(
+            [*KVROUTE, "bench", "--target", target, "--requests", "4", "--concurrency", "2", "--tokens-per-block",
+             "16", "--policies", "kvroute"], capture_output=True, text=True, timeout=60,
+        )
+        assert one.returncode == 0, one.stdout + one.stderr
+        assert re.search(r"^kvroute\s+4\s+0\s", one.stdout, re.M), one.stdout
 
         t_stop = time.monotonic()
         up.send_signal(signal.SIGTERM)
