@@ -78,10 +78,14 @@ def resolve_model_dir(model: str, model_cache_dir: str = "") -> Path:
     replicas' generated default model (:func:`default_model_dir`).
 
     Raises:
-        ModelLoadError: the folder has no ``tokenizer.json`` (with what to do about it).
+        ModelLoadError: ``model`` does not exist or is not a folder, or the folder has no
+            ``tokenizer.json`` (with what to do about it).
     """
     if model:
         path = Path(model).expanduser()
+        if not path.is_dir():
+            what = "is not a folder" if path.exists() else "does not exist"
+            raise ModelLoadError(f"model: {path} {what} (a Hugging Face model folder)", path=path)
         if not (path / TOKENIZER_FILENAME).is_file():
             raise ModelLoadError(f"model: {path} has no {TOKENIZER_FILENAME} (is it a Hugging Face model folder?)",
                                  path=path)

@@ -127,8 +127,13 @@ def _check_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     from kvroute_tools.cluster import ClusterConfig
 
+    if args.model and not Path(args.model).expanduser().is_dir():
+        what = "is not a folder" if Path(args.model).expanduser().exists() else "does not exist"
+        p.error(f"--model: {args.model} {what} (a Hugging Face model folder)")
     try:
         args.config = ClusterConfig(
             replicas=args.replicas, host=args.host, router_port=args.router_port, base_port=args.base_port,

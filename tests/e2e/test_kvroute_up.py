@@ -184,7 +184,8 @@ def test_up_generate_bench_and_sigterm_leaves_nothing_behind(tmp_path, default_m
 
 
 def test_up_stops_what_it_started_when_a_replica_cannot_start(tmp_path):
-    missing = tmp_path / "no-such-model"
+    missing = tmp_path / "empty-model"  # a folder with no model in it: the processes start, then fail
+    missing.mkdir()
     logs = tmp_path / "logs"
     proc = subprocess.run(
         [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--model", str(missing), "--log-dir", str(logs),

@@ -153,6 +153,8 @@ def test_default_model_folder_is_the_replicas_and_missing_means_pass_model(tmp_p
         resolve_model_dir("", str(tmp_path))
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         resolve_model_dir(str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"^model: \S+/nowhere does not exist"):
+        resolve_model_dir(str(tmp_path / "nowhere"))
 
 
 # -- the second turn -----------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["up", "--replica-args", "--model 'unclosed"], "quotation"),
         (["up", "--replicas", "two"], "invalid int value"),
         (["up", "--block-size", "0"], "--block-size: must be >= 1, got 0"),
+        (["up", "--model", "/nonexistent/model"], "--model: /nonexistent/model does not exist"),
+        (["up", "--model", "/etc/hostname"], "--model: /etc/hostname is not a folder"),
         (["up", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
         (["generate", "--target", "nope", "hi"], "--target: expected HOST:PORT"),
         (["generate", "--target", "127.0.0.1:0", "hi"], "--target: expected HOST:PORT"),
