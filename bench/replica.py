@@ -14,7 +14,7 @@ the default model, greedy, ``ignore_eos``:
 - **gRPC**: ``python -m replica`` in a child process with the same settings (``engine_process``
   on: the engine in its own process, ``ProcessLLMEngine``), driven through
   ``ReplicaService.GenerateStream`` over loopback by a grpc.aio client in this process;
-- **gRPC, engine thread** (``--compare-engine-thread``): the same with ``--engine-process false``,
+- **gRPC, engine thread** (``--compare-engine-thread``): the same with ``--no-engine-process``,
   the engine on a thread of the gRPC process (``AsyncLLMEngine``), as before the engine process.
 
 All sides publish KV events to one throwaway Redis (``kvroute_tools.redis_server``). Reported: output
@@ -219,7 +219,7 @@ def start_replica_process(
             "--replica-id", replica_id, "--model-cache-dir", settings.model_cache_dir,
             "--num-blocks", str(settings.num_blocks), "--max-num-seqs", str(settings.max_num_seqs),
             "--device", settings.device, "--torch-threads", str(settings.torch_threads),
-            "--engine-process", "true" if engine_process else "false"]
+            "--engine-process" if engine_process else "--no-engine-process"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     target = f"127.0.0.1:{port}"

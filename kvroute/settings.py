@@ -92,15 +92,19 @@ def _convert(field: dataclasses.Field, text: str, hints: Mapping[str, Any]) -> A
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per field of the settings dataclass ``cls`` (defaults resolved later)."""
+    """Add one ``--flag`` per field of the settings dataclass ``cls`` (defaults resolved later); a
+    boolean one is a switch pair, ``--flag`` / ``--no-flag``, as vLLM's are (its variable takes
+    true/false)."""
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         env = ENV_PREFIX + f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata.get('help', '')} [env {env}; default {default!r}]".replace("%", "%%")
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None, help=help_text,
-            choices=f.metadata.get("choices"),
-        )
+        flag = "--" + f.name.replace("_", "-")
+        if _base_type(hints[f.name]) is bool:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text, action=argparse.BooleanOptionalAction)
+            continue
+        parser.add_argument(flag, dest=f.name, default=None, help=help_text, choices=f.metadata.get("choices"))
 
 
 def settings_from(cls: type[T], args: argparse.Namespace | None, env: Mapping[str, str] | None = None) -> T:
@@ -119,6 +123,9 @@ def settings_from(cls: type[T], args: argparse.Namespace | None, env: Mapping[st
             raw = env.get(ENV_PREFIX + f.name.upper())
             source = ENV_PREFIX + f.name.upper()
         if raw is None:
+            continue
+        if isinstance(raw, bool):  # a switch (--flag / --no-flag) parsed by argparse
+            values[f.name] = raw
             continue
         try:
             values[f.name] = _convert(f, raw, hints)

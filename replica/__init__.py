@@ -21,6 +21,6 @@ or ``kvroute_tools``.
     settings.py: the process's settings; telemetry.py: metrics and spans; vllm_metrics.py: the
     same numbers under vLLM's Prometheus names
 
-``--engine-process false`` runs the step loop on a thread of the server instead (AsyncLLMEngine):
+``--no-engine-process`` runs the step loop on a thread of the server instead (AsyncLLMEngine):
 simpler, but the engine then shares the GIL with gRPC (bench/replica.py measures the difference).
 """

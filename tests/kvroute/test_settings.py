@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvroute.settings import load_settings
 from router.settings import RouterSettings
 
@@ -28,3 +30,18 @@ def test_the_shared_redis_and_serving_settings_are_declared_once_for_both_proces
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for name, f in shared.items():
             assert (fields[name].default, fields[name].metadata) == (f.default, f.metadata)
+
+
+def test_a_boolean_setting_is_a_switch_as_vllms_are_and_its_variable_takes_true_or_false():
+    from replica.settings import ReplicaSettings
+
+    assert load_settings(ReplicaSettings, ["--enforce-eager"], env={}).enforce_eager is True
+    assert load_settings(ReplicaSettings, ["--no-engine-process"], env={}).engine_process is False
+    assert load_settings(ReplicaSettings, [], env={}).engine_process is True  # the default
+    env = {"KVROUTE_ENFORCE_EAGER": "true", "KVROUTE_ENABLE_PREFIX_CACHING": "false"}
+    s = load_settings(ReplicaSettings, [], env=env)
+    assert (s.enforce_eager, s.enable_prefix_caching) == (True, False)
+    assert load_settings(ReplicaSettings, ["--no-enforce-eager"], env=env).enforce_eager is False  # flag wins
+    with pytest.raises(SystemExit) as exc:  # a switch takes no value
+        load_settings(ReplicaSettings, ["--enforce-eager", "true"], env={})
+    assert exc.value.code == 2
