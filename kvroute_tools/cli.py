@@ -144,6 +144,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
             router_args=tuple(shlex.split(args.router_args)), log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, metrics=args.metrics,
+            keep_going=args.keep_going,
             gateway=args.gateway, gateway_port=args.gateway_port, engine=args.engine, vllm_python=args.vllm_python,
             vllm_args=tuple(shlex.split(args.vllm_args)),
             block_size=args.block_size,
@@ -281,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the endpoints)")
     u.add_argument("--log-dir", default="", help="where each process's log goes (default: a new temp folder)")
     u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    u.add_argument("--keep-going", action="store_true",
+                   help="when a replica dies, log it and keep serving with the others (default: stop the whole "
+                        "cluster, exit 1); the cluster still stops when no replica is left or Redis, the router "
+                        "or Envoy dies")
     u.add_argument("--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--gateway", choices=("proxy", "envoy"), default="proxy",
                    help="the cluster's front: the router's Python proxy (default), or a real Envoy with the router "

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +84,7 @@ class ClusterConfig:
     log_dir: str = ""  # empty = a new temporary folder, kept after exit
     ready_timeout: float = 300.0
     stop_timeout: float = 10.0
+    keep_going: bool = False  # a replica's death leaves the others serving (the cluster stops when none is left)
     python: str = sys.executable
     gateway: str = "proxy"  # "envoy": Envoy in front, the router as its endpoint picker (kvroute_tools.envoy)
     gateway_port: int = 0  # Envoy's listener; 0 = a free port
@@ -397,9 +398,19 @@ class LocalCluster:
                 time.sleep(POLL_S)
 
     # -- run -------------------------------------------------------------------------------------
-    def first_death(self) -> Child | None:
-        """A child that has exited (None while all run)."""
-        return next((c for c in self.children if not c.running()), None)
+    def first_death(self, *, ignore: Collection[str] = ()) -> Child | None:
+        """A child that has exited, other than those named in ``ignore`` (None while all run)."""
+        return next((c for c in self.children if c.name not in ignore and not c.running()), None)
+
+    def is_replica(self, child: Child) -> bool:
+        """``child`` is part of a replica (a kvroute replica, a vLLM server or its bridge), not a
+        process the whole cluster needs (Redis, the router, Envoy)."""
+        return child in self.replicas or child in self.engines
+
+    def serving_replicas(self) -> int:
+        """Replicas whose processes all run (a vLLM replica: its server and its bridge)."""
+        engines = self.engines or [None] * len(self.replicas)
+        return sum(1 for r, e in zip(self.replicas, engines, strict=True) if r.running() and (e is None or e.running()))
 
     def describe_death(self, child: Child) -> str:
         return self._died(child, "unexpectedly")

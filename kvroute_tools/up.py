@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kvroute.counted import counted
 from kvroute_tools.banner import banner_text
 from kvroute_tools.cluster import ClusterConfig, ClusterError, LocalCluster
 from kvroute_tools.supervise import pdeathsig_preexec
@@ -41,7 +42,8 @@ def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
 
 def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> int:
     """``kvroute up``: start, print the banner, then wait for Ctrl-C / SIGTERM (exit 0) or a child's
-    death (exit 1); with ``command``, run it once ready (``{target}`` filled in), stop, and exit with
+    death (exit 1; with ``config.keep_going`` a replica's death is logged and the others serve on,
+    until none is left or another process dies); with ``command``, run it once ready (``{target}`` filled in), stop, and exit with
     its status (130 when Ctrl-C / SIGTERM cut it short). Exit 1 when the cluster cannot start, with
     the reason."""
     out = out or sys.stdout
@@ -55,6 +57,7 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
     previous_int_handler = signal.signal(signal.SIGINT, _raise_terminated)
     cluster = LocalCluster(config, log=log)
     cmd_proc: subprocess.Popen | None = None
+    lost: set[str] = set()  # with --keep-going: the replicas' processes that died
     rc = 0
     started = False
     t0 = time.monotonic()
@@ -79,8 +82,14 @@ def up_main(config: ClusterConfig, command: Sequence[str] = (), *, out=None) -> 
                     log(f"kvroute up: the command was killed by {signal.Signals(-cmd_proc.returncode).name}",
                         flush=True)
                 break
-            dead = cluster.first_death()
+            dead = cluster.first_death(ignore=lost)
             if dead is not None:
+                if config.keep_going and cluster.is_replica(dead) and cluster.serving_replicas() > 0:
+                    lost.add(dead.name)
+                    left = counted(cluster.serving_replicas(), "replica")
+                    print(f"kvroute up: {cluster.describe_death(dead)}\nkvroute up: serving on with {left}"
+                          " (--keep-going)", file=sys.stderr, flush=True)
+                    continue
                 print(f"kvroute up: {cluster.describe_death(dead)}\nkvroute up: stopping the cluster",
                       file=sys.stderr, flush=True)
                 rc = 1

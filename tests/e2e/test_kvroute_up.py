@@ -255,3 +255,29 @@ def test_up_with_envoy_in_front_generates_through_the_picker(tmp_path, default_m
     assert "?" not in summary and "policy" not in summary, summary
     assert (tmp_path / "envoy.json").is_file() and envoy.group(3) == str(tmp_path / "envoy.log")
     assert "kvroute up: stopped 4 processes" in proc.stdout
+
+
+def test_up_keep_going_serves_on_with_the_other_replica_when_one_dies(tmp_path, default_model_dir):
+    up = subprocess.Popen(
+        [*KVROUTE, "up", "--replicas", "2", "--router-port", "0", "--num-blocks", "512", "--model",
+         str(default_model_dir), "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120", "--keep-going"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = _Lines(up)
+    try:
+        out.wait_for(r"kvroute up: ready in", timeout=150)
+        banner = "".join(out.lines)
+        target = re.search(r"^  router\s+(\S+)\s+pid (\d+)", banner, re.M).group(1)
+        victim = int(re.search(r"^  replica-0\s+\S+\s+pid (\d+)", banner, re.M).group(1))
+        os.kill(victim, signal.SIGKILL)
+        out.wait_for(r"replica-0 exited .*", timeout=30)
+        out.wait_for(r"kvroute up: serving on with 1 replica \(--keep-going\)", timeout=30)
+        for i in range(3):  # the router stops picking it (heartbeat expiry) or retries past it
+            gen = subprocess.run([*KVROUTE, "generate", "--target", target, "--max-tokens", "4", "--temperature",
+                                  "0", f"Still serving {i}"], capture_output=True, text=True, timeout=60)
+            assert gen.returncode == 0, gen.stderr
+            assert "replica-1" in gen.stderr.strip().splitlines()[-1], gen.stderr
+        assert up.poll() is None, "".join(out.lines)  # the cluster is still up
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0, "".join(out.lines)
