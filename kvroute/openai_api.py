@@ -31,11 +31,24 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "suffix": (None, ""),
+    # vLLM's extensions that change the answer and that we do not implement
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 # HTTP status and OpenAI error type of each gRPC status our calls end with.
@@ -92,7 +105,8 @@ def _check_supported(body: Mapping[str, Any]) -> None:
 def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.SamplingParams:
     """The ``SamplingParams`` of a request body: ``max_tokens`` (chat: ``max_completion_tokens``
     first; a chat body without either gets :data:`kvroute.sampling.ROOM_LEFT`, the room the prompt
-    leaves, as vLLM does; a completions body keeps OpenAI's and vLLM's 16), ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
+    leaves, as vLLM does; a completions body keeps OpenAI's and vLLM's 16), ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, the penalties
+    (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``), ``stop``
     (a string or a list), ``stop_token_ids``, ``ignore_eos``; unset fields keep the engine's defaults.
 
     Raises:
@@ -108,7 +122,7 @@ def sampling_from_body(body: Mapping[str, Any], *, chat: bool) -> gen_pb.Samplin
             setattr(sp, field, value)
     if chat and not sp.HasField("max_tokens"):  # OpenAI's chat API has no 16-token default: the room left
         sp.max_tokens = ROOM_LEFT
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = _get(body, name, (int, float), "a number")
         if value is not None:
             setattr(sp, name, float(value))

@@ -62,6 +62,12 @@ class SamplingParams:
       match (vLLM's ``include_stop_str_in_output=False``).
     - ``stop_token_ids``: token ids that finish the request (reported as the matched stop).
     - ``ignore_eos``: keep generating after EOS (only ``max_tokens`` and the other stops end it).
+    - ``repetition_penalty``: > 0, 1 is off; every token seen in the prompt or the output has its
+      logit divided by it when positive and multiplied by it otherwise (vLLM's, after CTRL,
+      Keskar et al. 2019).
+    - ``presence_penalty``: in ``[-2, 2]``, 0 is off; subtracted from the logit of every token the
+      output holds (OpenAI's definition, as vLLM applies it).
+    - ``frequency_penalty``: in ``[-2, 2]``, 0 is off; subtracted once per occurrence in the output.
 
     ``stop`` and ``stop_token_ids`` accept any iterable (a lone string is one stop string) and are
     stored as tuples so the object stays hashable. Construction does not validate; call
@@ -78,6 +84,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -90,6 +99,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the sampler takes the argmax (``temperature == 0``)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any penalty changes the logits (the sampler then needs the token ids)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def top_k_enabled(self) -> bool:
@@ -107,7 +121,8 @@ class SamplingParams:
                 or > ``max_tokens``, ``temperature`` < 0 or not finite, ``top_p`` outside
                 ``(0, 1]``, ``top_k`` < -1, ``min_p`` outside ``[0, 1]``, ``seed`` outside
                 ``[0, 2**64)``, an empty ``stop`` string, a ``stop_token_ids`` entry outside the
-                vocabulary, or a value of the wrong type.
+                vocabulary, ``repetition_penalty`` not > 0, ``presence_penalty`` or
+                ``frequency_penalty`` outside ``[-2, 2]`` (vLLM's ranges), or a value of the wrong type.
         """
         _require_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
@@ -154,6 +169,16 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
+        _require_number("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be greater than 0 (1 = off), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_number(name, value)
+            if not (-2.0 <= value <= 2.0):  # also false for NaN
+                raise InvalidRequestError(name, f"must be in [-2, 2] (0 = off), got {value}")
 
 
 def effective_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
@@ -235,13 +260,18 @@ def _require_number(field: str, value: object) -> None:
         raise InvalidRequestError(field, f"must be a number, got {type(value).__name__}")
 
 
+OPTIONAL_PROTO_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                         "repetition_penalty", "presence_penalty", "frequency_penalty")
+"""The ``SamplingParams`` proto fields that may be unset (then the default holds), in wire order."""
+
+
 def sampling_params_from_proto(msg: gen_pb.SamplingParams | None) -> SamplingParams:
     """The ``SamplingParams`` of a proto message (None: the defaults); unset optional fields keep
     the defaults. Values are taken as they are: range checks are :meth:`SamplingParams.validate`'s."""
     if msg is None:
         return SamplingParams()
     kwargs: dict[str, Any] = {}
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in OPTIONAL_PROTO_FIELDS:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(
@@ -252,6 +282,7 @@ def sampling_params_from_proto(msg: gen_pb.SamplingParams | None) -> SamplingPar
 __all__ = [
     "MAX_MAX_TOKENS",
     "MAX_SEED",
+    "OPTIONAL_PROTO_FIELDS",
     "ROOM_LEFT",
     "SamplingParams",
     "effective_max_tokens",

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import grpc
 
-from kvroute.sampling import ROOM_LEFT
+from kvroute.sampling import OPTIONAL_PROTO_FIELDS, ROOM_LEFT
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 
@@ -44,8 +44,6 @@ _HTTP_TO_GRPC = {
 }
 _FINISH = {"stop": gen_pb.FINISH_REASON_STOP, "length": gen_pb.FINISH_REASON_LENGTH,
            "abort": gen_pb.FINISH_REASON_ABORT}
-# SamplingParams fields vLLM's completions API takes under the same name.
-_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 _CONNECT_TIMEOUT_S = 5.0
 
 
@@ -63,7 +61,7 @@ def completions_body(model: str, request: rep_pb.ReplicaGenerateRequest) -> dict
                             "stream_options": {"include_usage": True}, "return_token_ids": True}
     if request.HasField("sampling"):
         s = request.sampling
-        for name in _SAMPLING_FIELDS:
+        for name in OPTIONAL_PROTO_FIELDS:  # vLLM's completions API takes each under the same name
             if s.HasField(name):
                 body[name] = getattr(s, name)
         if body.get("max_tokens") == ROOM_LEFT:  # vLLM's spelling of the room left: null

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvroute/v1/generation.proto\x12\nkvroute.v1\"\xba\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvroute.v1.ChatMessage\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvroute.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvroute.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"k\n\x0bRoutingInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0freplica_address\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12(\n\x07routing\x18\x08 \x01(\x0b\x32\x17.kvroute.v1.RoutingInfoB\x0e\n\x0cmatched_stop\"\x15\n\x13GetModelInfoRequest\"\xa2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0ehash_algorithm\x18\x05 \x01(\t\x12\x18\n\x10hash_seed_digest\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.kvroute.v1.GetModelInfoRequest\x1a\x15.kvroute.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvroute/v1/generation.proto\x12\nkvroute.v1\"\xdc\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvroute.v1.ChatMessage\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvroute.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvroute.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"k\n\x0bRoutingInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0freplica_address\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12(\n\x07routing\x18\x08 \x01(\x0b\x32\x17.kvroute.v1.RoutingInfoB\x0e\n\x0cmatched_stop\"\x15\n\x13GetModelInfoRequest\"\xa2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0ehash_algorithm\x18\x05 \x01(\t\x12\x18\n\x10hash_seed_digest\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.kvroute.v1.GetModelInfoRequest\x1a\x15.kvroute.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvroute.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1361
-  _globals['_FINISHREASON']._serialized_end=1481
+  _globals['_FINISHREASON']._serialized_start=1523
+  _globals['_FINISHREASON']._serialized_end=1643
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=358
-  _globals['_TOKENIDS']._serialized_start=360
-  _globals['_TOKENIDS']._serialized_end=383
-  _globals['_CHATMESSAGE']._serialized_start=385
-  _globals['_CHATMESSAGE']._serialized_end=429
-  _globals['_CHATMESSAGES']._serialized_start=431
-  _globals['_CHATMESSAGES']._serialized_end=488
-  _globals['_GENERATEREQUEST']._serialized_start=491
-  _globals['_GENERATEREQUEST']._serialized_end=720
-  _globals['_USAGE']._serialized_start=722
-  _globals['_USAGE']._serialized_end=802
-  _globals['_ROUTINGINFO']._serialized_start=804
-  _globals['_ROUTINGINFO']._serialized_end=911
-  _globals['_GENERATERESPONSE']._serialized_start=914
-  _globals['_GENERATERESPONSE']._serialized_end=1171
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1173
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1194
-  _globals['_MODELINFO']._serialized_start=1197
-  _globals['_MODELINFO']._serialized_end=1359
-  _globals['_GENERATIONSERVICE']._serialized_start=1484
-  _globals['_GENERATIONSERVICE']._serialized_end=1725
+  _globals['_SAMPLINGPARAMS']._serialized_end=520
+  _globals['_TOKENIDS']._serialized_start=522
+  _globals['_TOKENIDS']._serialized_end=545
+  _globals['_CHATMESSAGE']._serialized_start=547
+  _globals['_CHATMESSAGE']._serialized_end=591
+  _globals['_CHATMESSAGES']._serialized_start=593
+  _globals['_CHATMESSAGES']._serialized_end=650
+  _globals['_GENERATEREQUEST']._serialized_start=653
+  _globals['_GENERATEREQUEST']._serialized_end=882
+  _globals['_USAGE']._serialized_start=884
+  _globals['_USAGE']._serialized_end=964
+  _globals['_ROUTINGINFO']._serialized_start=966
+  _globals['_ROUTINGINFO']._serialized_end=1073
+  _globals['_GENERATERESPONSE']._serialized_start=1076
+  _globals['_GENERATERESPONSE']._serialized_end=1333
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1335
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1356
+  _globals['_MODELINFO']._serialized_start=1359
+  _globals['_MODELINFO']._serialized_end=1521
+  _globals['_GENERATIONSERVICE']._serialized_start=1646
+  _globals['_GENERATIONSERVICE']._serialized_end=1887
 # @@protoc_insertion_point(module_scope)

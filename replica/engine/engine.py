@@ -295,7 +295,8 @@ class LLMEngine:
         if not sampling:
             return []
         lives = [self._live[r.request_id] for r in sampling]
-        tokens = self.sampler.sample(logits, [lv.sampling for lv in lives], [len(r.output_token_ids) for r in sampling])
+        tokens = self.sampler.sample(logits, [lv.sampling for lv in lives], [len(r.output_token_ids) for r in sampling],
+                                     [(r.prompt_token_ids, r.output_token_ids) for r in sampling])
         outputs = []
         for live, tok in zip(lives, tokens.tolist(), strict=True):
             req = live.request

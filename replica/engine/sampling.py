@@ -5,13 +5,21 @@ and each request's ``SamplingState``. Output: one token id per request, ``[num_r
 
 Per row, in vLLM v1's order (``vllm/v1/sample/sampler.py`` + ``ops/topk_topp_sampler.py``)::
 
-    logits ─▶ min_tokens mask (EOS + stop_token_ids = -inf while too few tokens)
+    logits ─▶ min_tokens mask (EOS + stop_token_ids = -inf while too few tokens) ─▶ penalties
            ├─ temperature == 0 ─▶ argmax (ties: lowest token id)                     [greedy rows]
            └─ / temperature ─▶ min_p ─▶ top_k ─▶ top_p ─▶ softmax ─▶ exponential race [random rows]
 
 min_p before top-k/top-p is vLLM v1's order (min-p is an "argmax-invariant logits processor"
 applied before ``TopKTopPSampler``). min-p compares ``p_i / p_max``, which truncation does not
 change, so min-p commutes with top-k; only its position relative to top-p matters.
+
+Penalties, vLLM's (``vllm/model_executor/layers/utils.py`` ``apply_penalties``), on every row
+with one set, before greedy or random sampling: with ``seen`` the tokens of prompt or output and
+``count`` each token's occurrences in the output::
+
+    logit = logit / repetition_penalty  if seen and logit > 0
+            logit * repetition_penalty  if seen and logit <= 0
+    logit -= frequency_penalty * count + presence_penalty * (count > 0)
 
 Random draw: the *exponential race* (Gumbel-max in another form) vLLM uses: draw ``q_i ~ Exp(1)``
 for every token and take ``argmax(p_i / q_i)``; token i wins with probability ``p_i`` exactly.
@@ -81,6 +89,7 @@ class Sampler:
         logits: torch.Tensor,
         states: Sequence[SamplingState],
         num_output_tokens: Sequence[int],
+        token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> torch.Tensor:
         """Sample one token per row.
 
@@ -90,12 +99,15 @@ class Sampler:
             states: ``num_reqs`` per-request states, in row order.
             num_output_tokens: per row, tokens the request has generated so far (for
                 ``min_tokens``; the token sampled now is not counted).
+            token_ids: per row, ``(prompt token ids, output token ids so far)``, read for the
+                penalties; needed only when a row has one.
 
         Returns:
             ``[num_reqs]`` int64 token ids on ``logits.device``.
 
         Raises:
-            ValueError: when ``logits`` is not 2-D or the sequence lengths don't match its rows.
+            ValueError: when ``logits`` is not 2-D, the sequence lengths don't match its rows, or a
+                row has a penalty and ``token_ids`` is missing.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
@@ -108,13 +120,24 @@ class Sampler:
         if num_reqs == 0:
             return torch.empty(0, dtype=torch.int64, device=device)
         counts = zip(states, num_output_tokens, strict=True)
-        if all(s.params.is_greedy and n >= s.params.min_tokens for s, n in counts):
+        penalised = [i for i, st in enumerate(states) if st.params.has_penalties]
+        if penalised and (token_ids is None or len(token_ids) != num_reqs):
+            raise ValueError("token_ids: needed for every row when a row has a penalty")
+        if not penalised and all(s.params.is_greedy and n >= s.params.min_tokens for s, n in counts):
             # The common all-greedy step with no min_tokens mask: one argmax over the batch, no copy
             # (the float32 cast does not change which index is maximal, and logits stay unmodified).
             return logits.argmax(dim=-1)
         out = torch.empty(num_reqs, dtype=torch.int64, device=device)
         logits = logits.to(torch.float32, copy=True)
         self._apply_min_tokens(logits, states, num_output_tokens)
+        if penalised:
+            assert token_ids is not None
+            p = [states[i].params for i in penalised]
+            rows = torch.tensor(penalised, device=device)
+            logits[rows] = apply_penalties(
+                logits[rows], [token_ids[i][0] for i in penalised], [token_ids[i][1] for i in penalised],
+                [x.repetition_penalty for x in p], [x.presence_penalty for x in p], [x.frequency_penalty for x in p],
+            )
 
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
@@ -200,6 +223,51 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._shared[device] = gen
         return gen
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[n, vocab]`` int64: how often each token id occurs in each row's ``ids``."""
+    width = max((len(x) for x in ids), default=0)
+    padded = torch.full((len(ids), width + 1), vocab, dtype=torch.int64)  # column vocab: padding
+    for i, x in enumerate(ids):
+        padded[i, : len(x)] = torch.as_tensor(list(x), dtype=torch.int64)
+    counts = torch.zeros((len(ids), vocab + 1), dtype=torch.int64)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab].to(device)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: Sequence[float],
+    presence_penalty: Sequence[float],
+    frequency_penalty: Sequence[float],
+) -> torch.Tensor:
+    """vLLM's repetition, presence and frequency penalties on ``[n, vocab]`` float logits (the
+    formula in the module docstring; the repetition penalty over prompt and output tokens, the
+    other two over the output, as OpenAI defines them).
+
+    Args:
+        logits: ``[n, vocab]`` float32; modified in place and returned.
+        prompt_token_ids, output_token_ids: ``n`` rows of token ids in ``[0, vocab)``.
+        repetition_penalty: ``n`` values > 0 (1 = off); presence_penalty, frequency_penalty: ``n``
+            values (0 = off).
+
+    Returns:
+        ``logits``, penalised.
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    out_counts = _token_counts(output_token_ids, vocab, device)
+    seen = (_token_counts(prompt_token_ids, vocab, device) > 0) | (out_counts > 0)
+    rep = torch.tensor(repetition_penalty, dtype=logits.dtype, device=device).unsqueeze(1)
+    rep = torch.where(seen, rep, torch.ones_like(logits))
+    logits.mul_(torch.where(logits > 0, 1.0 / rep, rep))
+    freq = torch.tensor(frequency_penalty, dtype=logits.dtype, device=device).unsqueeze(1)
+    pres = torch.tensor(presence_penalty, dtype=logits.dtype, device=device).unsqueeze(1)
+    logits.sub_(freq * out_counts.to(logits.dtype) + pres * (out_counts > 0).to(logits.dtype))
+    return logits
 
 
 def _top_k_top_p(

@@ -139,6 +139,18 @@ def test_completion_greedy_output_and_usage_equal_the_grpc_api(client, gen):
     assert out.usage.total_tokens == ref.usage.prompt_tokens + 12
 
 
+def test_the_penalties_are_applied_as_over_grpc_not_ignored(client, gen):
+    ids = random_ids(2, 5) * 8  # a repeating prompt: the repetition penalty must change its continuation
+    body = {"max_tokens": 16, "temperature": 0.0}
+    plain = client.completions.create(model=MODEL, prompt=ids, **body, extra_body={"ignore_eos": True})
+    penalised = client.completions.create(model=MODEL, prompt=ids, **body, frequency_penalty=1.5,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    ref = gen.Generate(gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=ids), sampling=gen_pb.SamplingParams(
+        max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=1.5)), timeout=T)
+    assert penalised.choices[0].text == ref.text != plain.choices[0].text
+    assert penalised.usage.completion_tokens == 16
+
+
 def test_streaming_completion_is_the_unary_one_in_deltas_with_a_usage_chunk(client):
     ids = random_ids(1, 20)
     whole = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
@@ -307,6 +319,15 @@ def _bad_bodies(max_model_len: int, vocab: int) -> list[tuple[str, str, dict, st
         ("top_p 1.5", "completions", {"prompt": ok, "top_p": 1.5}, "top_p"),
         ("top_k -2", "completions", {"prompt": ok, "top_k": -2}, "top_k"),
         ("min_p 2", "completions", {"prompt": ok, "min_p": 2.0}, "min_p"),
+        ("repetition_penalty 0", "completions", {"prompt": ok, "repetition_penalty": 0}, "repetition_penalty"),
+        ("presence_penalty 2.5", "chat", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
+         "presence_penalty"),
+        ("frequency_penalty -3", "completions", {"prompt": ok, "frequency_penalty": -3}, "frequency_penalty"),
+        ("penalty a string", "completions", {"prompt": ok, "repetition_penalty": "high"}, "repetition_penalty"),
+        ("beam search", "completions", {"prompt": ok, "use_beam_search": True}, "use_beam_search"),
+        ("guided_json", "chat", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {}}, "guided_json"),
+        ("include_stop_str_in_output", "completions", {"prompt": ok, "include_stop_str_in_output": True},
+         "include_stop_str_in_output"),
         ("unknown stop token", "completions", {"prompt": ok, "stop_token_ids": [vocab + 7]}, "stop_token_ids"),
         ("empty stop string", "completions", {"prompt": ok, "stop": [""]}, "stop"),
         ("n 2", "completions", {"prompt": ok, "n": 2}, "n"),

@@ -58,13 +58,19 @@ def ghost_router(redis_server, default_model_dir):
     ("sampling", "ids", "message"),
     [
         (gen_pb.SamplingParams(top_p=2.0), prompt(1, 40), "top_p: must be in (0, 1], got 2.0"),
+        (gen_pb.SamplingParams(repetition_penalty=0.0), prompt(1, 40),
+         "repetition_penalty: must be greater than 0 (1 = off), got 0.0"),
+        (gen_pb.SamplingParams(presence_penalty=2.5), prompt(1, 40), "presence_penalty: must be in [-2, 2] (0 = off), got 2.5"),
+        (gen_pb.SamplingParams(frequency_penalty=-3.0), prompt(1, 40),
+         "frequency_penalty: must be in [-2, 2] (0 = off), got -3.0"),
         (gen_pb.SamplingParams(min_tokens=20, max_tokens=10), prompt(2, 40), "min_tokens: must be at most"),
         # The ghost's heartbeat limits, below the model folder's (8192 tokens, 529 ids):
         (GREEDY, prompt(3, 1024), "prompt: is 1024 tokens, but the model holds at most 1024 tokens"),
         (GREEDY, [*prompt(6, 40), 520], "prompt.token_ids: token id 520 at index 40 is out of vocabulary [0, 500)"),
         (gen_pb.SamplingParams(stop_token_ids=[510]), prompt(5, 8), "unknown stop token 510 at index 0"),
     ],
-    ids=["top_p", "min_tokens", "too_long", "token_id", "stop_token_id"],
+    ids=["top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "too_long", "token_id",
+         "stop_token_id"],
 )
 def test_a_request_the_router_can_check_is_refused_before_it_reaches_a_replica(ghost_router, sampling, ids, message):
     with grpc.insecure_channel(ghost_router.target) as channel:

@@ -42,7 +42,9 @@ def test_min_tokens_and_seed_may_be_zero_but_not_negative():
     ({"logprobs": 1}, "logprobs: not supported by this server"),
     ({"top_logprobs": 3}, "top_logprobs: not supported by this server"),
     ({"echo": True}, "echo: not supported by this server"),
-    ({"presence_penalty": 0.5}, "presence_penalty: not supported by this server"),
+    ({"use_beam_search": True}, "use_beam_search: not supported by this server"),
+    ({"length_penalty": 0.5}, "length_penalty: only 1 or 1.0 is supported by this server, got 0.5"),
+    ({"guided_regex": "a+"}, "guided_regex: not supported by this server"),
     ({"tools": [{"type": "function"}]}, "tools: not supported by this server"),
     ({"n": 2}, "n: only 1 is supported by this server, got 2"),
     ({"best_of": 3}, "best_of: only 1 is supported by this server, got 3"),
@@ -52,4 +54,11 @@ def test_unsupported_values_are_refused_in_words(body, message):
 
 
 def test_the_supported_values_of_unsupported_fields_pass():
-    sampling_from_body({"n": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "tools": []}, chat=False)
+    sampling_from_body({"n": 1, "logprobs": False, "echo": False, "tools": [], "use_beam_search": False,
+                        "skip_special_tokens": True}, chat=False)
+
+
+def test_the_penalties_reach_the_wire_as_given():
+    sp = sampling_from_body({"repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 1}, chat=True)
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.1, -0.5, 1.0)
+    assert not sampling_from_body({}, chat=True).HasField("repetition_penalty")  # unset: the default

@@ -65,6 +65,13 @@ def test_invalid_request_error_formats_field_and_reason():
         ({"stop_token_ids": (5, VOCAB)}, "stop_token_ids"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"presence_penalty": 2.01}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
     ],
 )
 def test_each_bad_sampling_value_is_rejected_naming_its_field(kwargs, field):
@@ -89,6 +96,11 @@ def test_each_bad_sampling_value_is_rejected_naming_its_field(kwargs, field):
         {"seed": 2**64 - 1},
         {"stop_token_ids": (0, VOCAB - 1)},
         {"max_tokens": 1},
+        {"repetition_penalty": 0.01},
+        {"repetition_penalty": 2.5},
+        {"presence_penalty": -2.0},
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 2.0},
     ],
 )
 def test_boundary_values_are_accepted(kwargs):

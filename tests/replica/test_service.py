@@ -188,6 +188,12 @@ def _bad_requests(max_model_len: int, vocab: int) -> list[tuple[str, gen_pb.Gene
         ("top_p 1.5", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(top_p=1.5)), "top_p"),
         ("top_k -2", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(top_k=-2)), "top_k"),
         ("min_p 2", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(min_p=2.0)), "min_p"),
+        ("repetition_penalty 0", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(repetition_penalty=0.0)),
+         "repetition_penalty"),
+        ("presence_penalty -2.5", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(presence_penalty=-2.5)),
+         "presence_penalty"),
+        ("frequency_penalty 2.5", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(frequency_penalty=2.5)),
+         "frequency_penalty"),
         ("unknown stop token", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(stop_token_ids=[vocab + 7])), "stop_token_ids"),
         ("empty stop string", gen_pb.GenerateRequest(token_ids=ok, sampling=sp(stop=[""])), "stop"),
     ]

@@ -21,11 +21,12 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_http"
 def test_the_body_sends_token_ids_and_only_the_sampling_fields_that_were_set():
     request = rep_pb.ReplicaGenerateRequest(
         request_id="r1", token_ids=[5, 6, 7], cache_salt="tenant-a",
-        sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0.0, stop=["\n"], stop_token_ids=[2], ignore_eos=True))
+        sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0.0, stop=["\n"], stop_token_ids=[2], ignore_eos=True,
+                                       repetition_penalty=1.1, frequency_penalty=0.5))
     assert completions_body("tiny", request) == {
         "model": "tiny", "prompt": [5, 6, 7], "stream": True, "stream_options": {"include_usage": True},
         "return_token_ids": True, "max_tokens": 4, "temperature": 0.0, "stop": ["\n"], "stop_token_ids": [2],
-        "ignore_eos": True, "cache_salt": "tenant-a",
+        "ignore_eos": True, "cache_salt": "tenant-a", "repetition_penalty": 1.1, "frequency_penalty": 0.5,
     }
     bare = completions_body("tiny", rep_pb.ReplicaGenerateRequest(token_ids=[1]))
     assert bare == {"model": "tiny", "prompt": [1], "stream": True, "stream_options": {"include_usage": True},

@@ -177,3 +177,25 @@ def test_qwen2_with_qkv_bias_staggered_chunked_greedy_matches_transformers(
     folder, hf_model = qwen2_checkpoint
     prompts = random_prompts(hf_model.config.vocab_size, default_special_ids, seed=1)
     assert_engine_matches_transformers(folder, hf_model, prompts, {hf_model.config.eos_token_id})
+
+
+def test_repetition_penalty_greedy_matches_transformers_and_changes_the_output(default_model_dir, default_special_ids):
+    """vLLM's repetition penalty is transformers' RepetitionPenaltyLogitsProcessor (over prompt and
+    output tokens): the engine's penalised greedy tokens equal ``generate(repetition_penalty=...)``."""
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(cfg["vocab_size"], default_special_ids, seed=3)[:2]
+    prompts.append(prompts[0][:5] * 8)  # a repeating prompt, whose continuation the penalty must change
+    engine = LLMEngine(default_model_dir, EngineConfig(device="cpu", num_blocks=64, torch_threads=1))
+    new = 16
+    changed = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                min_new_tokens=new, repetition_penalty=1.8, pad_token_id=0)[0, len(prompt):].tolist()
+        (plain,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+        (ours,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                                                           repetition_penalty=1.8))
+        assert ours.output_token_ids == ref
+        changed += plain.output_token_ids != ours.output_token_ids
+    assert changed  # the penalty is applied, not ignored

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replica.engine.params import SamplingParams
-from replica.engine.sampling import Sampler, SamplingState, _top_k_top_p
+from replica.engine.sampling import Sampler, SamplingState, _top_k_top_p, apply_penalties
 
 VOCAB = 50
 EOS = 3
@@ -244,3 +244,37 @@ def test_min_tokens_masks_every_eos_id_of_a_model_with_several():
     params = SamplingParams(temperature=0.0, min_tokens=1)
     sampler = Sampler(eos_token_id=(EOS, 7))
     assert _sample(sampler, logits, [SamplingState(params)], [0]).tolist() == [0]
+
+
+# -- penalties (vLLM's apply_penalties) ------------------------------------------------------------
+def test_penalties_by_hand():
+    # prompt [1], output [2, 2, 0]; repetition 2, presence 0.5, frequency 0.25:
+    #   token 0: seen, 1 > 0 -> 1/2 = 0.5; once in the output -> 0.5 - 0.25 - 0.5 = -0.25
+    #   token 1: seen in the prompt only, -1 <= 0 -> -1 * 2 = -2; not in the output -> -2
+    #   token 2: seen, 2 -> 1; twice in the output -> 1 - 0.5 - 0.5 = 0
+    #   token 3: unseen -> 0.5
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5]])
+    out = apply_penalties(logits, [[1]], [[2, 2, 0]], [2.0], [0.5], [0.25])
+    assert out.tolist() == [[-0.25, -2.0, 0.0, 0.5]]
+
+
+def test_repetition_penalty_is_transformers_processor_over_prompt_and_output():
+    transformers = pytest.importorskip("transformers")
+    logits = _logits(3)
+    prompts, outputs = [[1, 5, 5, 9], [0], [7, 8]], [[9, 12], [], [40, 41, 41]]
+    ours = apply_penalties(logits.clone(), prompts, outputs, [1.3, 0.7, 2.0], [0.0] * 3, [0.0] * 3)
+    for i, (p, o, r) in enumerate(zip(prompts, outputs, (1.3, 0.7, 2.0), strict=True)):
+        ref = transformers.RepetitionPenaltyLogitsProcessor(r)(torch.tensor([p + o]), logits[i : i + 1].clone())
+        assert torch.allclose(ours[i], ref[0], atol=1e-6)
+
+
+def test_a_penalised_greedy_row_avoids_the_repeated_token_and_needs_the_token_ids():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7], logits[:, 8] = 2.0, 1.5  # 7 wins unpenalised
+    states = [SamplingState(SamplingParams(temperature=0.0, frequency_penalty=1.0)), SamplingState(SamplingParams(temperature=0.0))]
+    ids = [([1, 2], [7]), ([1, 2], [7])]
+    out = Sampler().sample(logits, states, [1, 1], ids)
+    assert out.tolist() == [8, 7]  # row 0: 2 - 1 = 1 < 1.5; row 1 has no penalty
+    assert logits[0, 7] == 2.0  # the caller's logits are not modified
+    with pytest.raises(ValueError, match="token_ids"):
+        Sampler().sample(logits, states, [1, 1])
