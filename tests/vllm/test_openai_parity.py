@@ -7,7 +7,9 @@ from ``/v1/models``), so the cases are the same relative to each context:
 - ``max_tokens`` above the context: 400 naming ``max_tokens``;
 - a prompt that leaves 20 tokens and ``max_tokens`` 100: 200, 20 tokens, finish ``length``;
 - a chat request without ``max_tokens``: the answer may fill the context (``ignore_eos``);
-- a completion without ``max_tokens``: 16 tokens.
+- a completion without ``max_tokens``: 16 tokens;
+- the penalties (repetition, presence, frequency) are taken: 200 and the tokens asked for; a
+  repetition penalty of 0 is refused with 400.
 """
 
 from __future__ import annotations
@@ -61,10 +63,18 @@ def outcomes(client: openai.OpenAI, model: str) -> dict[str, object]:
                                   chat.choices[0].finish_reason)
     plain = client.completions.create(model=model, prompt=ids(8), **greedy)
     out["completion, no max_tokens"] = plain.usage.completion_tokens
+    penalised = client.completions.create(model=model, prompt=ids(8) * 4, max_tokens=12, temperature=0.0,
+                                          presence_penalty=0.5, frequency_penalty=0.5,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    out["penalties"] = (penalised.usage.completion_tokens, penalised.choices[0].finish_reason)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=ids(8), max_tokens=4, extra_body={"repetition_penalty": 0})
+    out["repetition_penalty 0"] = err.value.status_code
     return out
 
 
 def test_context_length_cases_match_vllm(clients):
     vllm, kvroute = (outcomes(*clients[side]) for side in ("vllm", "kvroute"))
     assert vllm["over the context"] == (400, True, "max_tokens"), vllm
+    assert vllm["penalties"] == (12, "length") and vllm["repetition_penalty 0"] == 400, vllm
     assert kvroute == vllm
