@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ from kvroute.process import dial_target
 from kvroute.prompt import InvalidRequestError, check_model
 from kvroute.responses import concat_deltas
 from kvroute.telemetry import Telemetry
+from kvroute.tls import ServerTlsFiles
 from kvroute.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger(__name__)
@@ -294,28 +296,35 @@ class HttpServer:
     The constructor binds and listens (connections queue until uvicorn accepts them), so the port
     is known, and a taken one fails, before anything starts; ``port`` = 0 picks a free one (read
     back from ``.port``). ``start`` serves; ``stop(grace)`` lets responses in progress finish for
-    ``grace`` seconds. ``name`` is what the log line calls the process.
+    ``grace`` seconds. ``name`` is what the log line calls the process. ``tls``: serve https with
+    these files (kvroute.tls.server_tls_files; a client CA = client certificates required).
 
     Raises (constructor):
         RuntimeError: the port cannot be bound (the message names the setting ``http_port``).
     """
 
-    def __init__(self, app: Any, host: str, port: int, *, name: str) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, name: str, tls: ServerTlsFiles | None = None) -> None:
         self.app = app
         self.name = name
+        self.tls = tls
         try:
             self._sock = socket.create_server((host or "0.0.0.0", port), backlog=1024)
         except OSError as e:
             raise RuntimeError(f"http_port: cannot bind {host}:{port}: {e}") from e
         self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://{dial_target(host, self.port)}/v1"
+        self.url = f"{'https' if tls else 'http'}://{dial_target(host, self.port)}/v1"
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Serve on the bound socket (a task of the running loop)."""
+        tls: dict[str, Any] = {}
+        if self.tls is not None:
+            tls = {"ssl_certfile": self.tls.cert_file, "ssl_keyfile": self.tls.key_file}
+            if self.tls.client_ca_file:
+                tls |= {"ssl_ca_certs": self.tls.client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, **tls)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name=f"{self.name} http")
         log.info("%s: OpenAI-compatible HTTP API on %s", self.name, self.url)

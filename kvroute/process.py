@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.tls import ServerTlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +37,22 @@ async def run_until_signal(
     drain: float | None = None,
     *,
     metrics_host: str = "127.0.0.1",
+    metrics_tls: ServerTlsFiles | None = None,
 ) -> None:
     """Start ``make_server(telemetry)``, wait for SIGTERM / SIGINT (also while still starting),
     then stop it gracefully (``stop(drain=drain)`` when ``drain`` is given: the seconds the calls
     in flight get to finish). A failed start stops the server at once and re-raises.
 
-    ``metrics_port`` < 0 means no Prometheus endpoint (else it listens on ``metrics_host``); the
-    telemetry is set up (and shut down) here unless the caller passes its own.
+    ``metrics_port`` < 0 means no Prometheus endpoint (else it listens on ``metrics_host``, over
+    https with ``metrics_tls``); the telemetry is set up (and shut down) here unless the caller passes its own.
     """
     own_telemetry = telemetry is None
     if telemetry is None:
         telemetry = setup_telemetry(service_name, metrics_port if metrics_port >= 0 else None,
-                                    metrics_host=metrics_host, set_global=True)
+                                    metrics_host=metrics_host, metrics_tls=metrics_tls, set_global=True)
         if telemetry.metrics_port is not None:
-            log.info("%s: metrics on %s:%d/metrics", service_name, metrics_host, telemetry.metrics_port)
+            log.info("%s: metrics on %s://%s:%d/metrics", service_name, "https" if metrics_tls else "http",
+                     metrics_host, telemetry.metrics_port)
     server = make_server(telemetry)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -189,7 +192,7 @@ class ServerMain:
         await run_until_signal(
             lambda t: self.make_server(settings, t), self.service_name, settings.metrics_port, telemetry,
             None if self.drain is None else self.drain(settings),
-            metrics_host=settings.metrics_host or settings.host,
+            metrics_host=settings.metrics_host or settings.host, metrics_tls=settings.metrics_tls_files(),
         )
 
     def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:

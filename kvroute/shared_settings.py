@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvroute.redis_layout import DEFAULT_NAMESPACE
 from kvroute.settings import setting
+from kvroute.tls import ServerTlsFiles, server_tls_files
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,20 @@ class ServingSettings:
     tls_cert_file: str = setting("", "gRPC server certificate chain (PEM); with tls_key_file turns TLS on")
     tls_key_file: str = setting("", "gRPC server private key (PEM)")
     tls_client_ca_file: str = setting("", "CA bundle (PEM) of client certificates: set = mutual TLS required")
+    http_tls: bool = setting(False, "serve the HTTP API over TLS (https) with tls_cert_file / tls_key_file;"
+                                    " tls_client_ca_file set = client certificates required")
+    metrics_tls: bool = setting(False, "serve the Prometheus endpoint over TLS with the same files")
+
+    def http_tls_files(self) -> ServerTlsFiles | None:
+        """The HTTP API's TLS files (None = plain HTTP). Raises ValueError naming the settings."""
+        return self._tls_files("http_tls") if self.http_tls else None
+
+    def metrics_tls_files(self) -> ServerTlsFiles | None:
+        """The metrics endpoint's TLS files (None = plain HTTP). Raises ValueError naming the settings."""
+        return self._tls_files("metrics_tls") if self.metrics_tls else None
+
+    def _tls_files(self, switch: str) -> ServerTlsFiles:
+        return server_tls_files(switch, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
 
 __all__ = ["RedisSettings", "ServingSettings"]

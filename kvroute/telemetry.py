@@ -44,6 +44,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvroute.tls import ServerTlsFiles
+
 log = logging.getLogger(__name__)
 
 OTLP_ENDPOINT_VARIABLES = (
@@ -128,6 +130,7 @@ def setup_telemetry(
     metrics_port: int | None = None,
     *,
     metrics_host: str = "127.0.0.1",
+    metrics_tls: ServerTlsFiles | None = None,
     otlp: bool | None = None,
     span_exporters: Iterable[SpanExporter] = (),
     metric_readers: Iterable[MetricReader] = (),
@@ -141,6 +144,8 @@ def setup_telemetry(
         metrics_port: serve Prometheus text on this port (0 = a free one, read back from
             ``Telemetry.metrics_port``); ``None`` or negative = no endpoint.
         metrics_host: the endpoint's listen address (``0.0.0.0`` = every interface).
+        metrics_tls: serve the endpoint over https with these files (kvroute.tls.server_tls_files;
+            a client CA = scrapers must present a certificate of it); None = plain HTTP.
         otlp: export metrics and traces with OTLP/gRPC; ``None`` = when ``otlp_configured()``.
         span_exporters: extra span exporters, each behind a ``SimpleSpanProcessor`` (tests).
         metric_readers: extra metric readers (tests pass an ``InMemoryMetricReader``).
@@ -166,7 +171,10 @@ def setup_telemetry(
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)
         readers.append(PrometheusMetricReader(registry=registry))
-        http_server, _thread = start_http_server(metrics_port, addr=metrics_host, registry=registry)
+        tls = {} if metrics_tls is None else {
+            "certfile": metrics_tls.cert_file, "keyfile": metrics_tls.key_file,
+            "client_cafile": metrics_tls.client_ca_file or None, "client_auth_required": bool(metrics_tls.client_ca_file)}
+        http_server, _thread = start_http_server(metrics_port, addr=metrics_host, registry=registry, **tls)
         bound_port = http_server.server_port
     tracer_provider = TracerProvider(resource=resource)
     if otlp:

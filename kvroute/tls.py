@@ -1,9 +1,12 @@
-"""gRPC TLS credentials, built in one place for the router, the replica and the tools (docs/security.md).
+"""TLS credentials, built in one place for the router, the replica and the tools (docs/security.md):
+gRPC's, and the certificate files of the HTTP API and the metrics port.
 
     server side (router and replica ports):  tls_cert_file + tls_key_file [+ tls_client_ca_file = mTLS]
         ──server_credentials──▶ grpc.ServerCredentials ──bind──▶ add_secure_port (else add_insecure_port)
     client side (router -> replica, kvroute generate): ca_file [+ cert_file + key_file]
         ──channel_credentials──▶ grpc.ChannelCredentials ──secure / insecure channel
+    HTTP API and metrics port (http_tls / metrics_tls switches): the server's files again
+        ──server_tls_files──▶ ServerTlsFiles ──▶ uvicorn's / prometheus_client's ssl options
 
 Files are PEM. A certificate without its key (or the reverse) is refused, and so is a client CA
 without a server certificate: a half-set TLS configuration never falls back to plaintext. With
@@ -14,7 +17,7 @@ without a server certificate: a half-set TLS configuration never falls back to p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -57,6 +60,28 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") 
             [pair], root_certificates=_read("tls_client_ca_file", client_ca_file), require_client_auth=True
         )
     return grpc.ssl_server_credentials([pair])
+
+
+class ServerTlsFiles(NamedTuple):
+    """The PEM files an HTTP server serves TLS with; ``client_ca_file`` "" = no client certificate asked."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""
+
+
+def server_tls_files(switch: str, cert_file: str, key_file: str, client_ca_file: str = "") -> ServerTlsFiles:
+    """The gRPC server's certificate files, checked for an HTTP server that the setting ``switch``
+    (``http_tls``, ``metrics_tls``) turns TLS on for: the same certificate, key and client CA.
+
+    Raises:
+        ValueError: no certificate and key set, or as :func:`server_credentials` (the message
+            names the settings).
+    """
+    if not (cert_file or key_file):
+        raise ValueError(f"{switch}: needs tls_cert_file and tls_key_file")
+    server_credentials(cert_file, key_file, client_ca_file)  # the same checks, files read once
+    return ServerTlsFiles(cert_file, key_file, client_ca_file)
 
 
 def bind(server: Any, address: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -106,4 +131,4 @@ def open_channel(target: str, credentials: grpc.ChannelCredentials | None, *, ai
     return module.secure_channel(target, credentials, options=options)
 
 
-__all__ = ["bind", "channel_credentials", "open_channel", "server_credentials"]
+__all__ = ["ServerTlsFiles", "bind", "channel_credentials", "open_channel", "server_credentials", "server_tls_files"]

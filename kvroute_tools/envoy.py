@@ -38,10 +38,12 @@ reached the engine: connect failure, refused stream, reset before the request. T
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +76,87 @@ _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 _BUFFER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 _HEADER_MUTATION = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 _FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"  # per route: any filter off
+_DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _H2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
     "explicit_http_config": {"http2_protocol_options": {}},
 }}
+
+
+@dataclass(frozen=True)
+class EnvoyTls:
+    """TLS on Envoy's listener and on its upstreams (all files PEM paths Envoy reads at start).
+
+    The listener serves ``cert_file``/``key_file`` (ALPN h2 and http/1.1); ``client_ca_file`` set =
+    every client must present a certificate of that CA. ``upstream_ca_file`` set = Envoy dials the
+    router, its picker and the replicas over TLS, verifying each certificate against that CA and a
+    name: the replicas' against ``replica_server_name`` (also sent as SNI) -- ORIGINAL_DST dials the
+    IP the picker chose, which a certificate rarely names -- and the router's against
+    ``router_server_name`` (default: the router address's host, an IP SAN when it is an IP).
+    ``upstream_cert_file``/``upstream_key_file``: the client certificate Envoy shows upstreams that
+    require mutual TLS.
+
+    Raises (constructor):
+        ValueError: a half-set pair, upstream TLS without ``replica_server_name``, or a client
+            certificate without ``upstream_ca_file`` (the message names the field).
+    """
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+    upstream_ca_file: str = ""
+    upstream_cert_file: str = ""
+    upstream_key_file: str = ""
+    replica_server_name: str = ""
+    router_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        for a, b in (("cert_file", "key_file"), ("upstream_cert_file", "upstream_key_file")):
+            if bool(getattr(self, a)) != bool(getattr(self, b)):
+                raise ValueError(f"{a}, {b}: set both or neither")
+        if self.client_ca_file and not self.cert_file:
+            raise ValueError("client_ca_file: needs cert_file and key_file")
+        if (self.upstream_cert_file or self.replica_server_name or self.router_server_name) and not self.upstream_ca_file:
+            raise ValueError("upstream_cert_file, replica_server_name, router_server_name: need upstream_ca_file")
+        if self.upstream_ca_file and not self.replica_server_name:
+            raise ValueError("replica_server_name: needed with upstream_ca_file (the name replica certificates"
+                             " carry; Envoy dials their IPs)")
+
+
+def _certificates(cert_file: str, key_file: str) -> list[dict[str, Any]]:
+    return [{"certificate_chain": {"filename": cert_file}, "private_key": {"filename": key_file}}] if cert_file else []
+
+
+def _listener_tls(tls: EnvoyTls) -> dict[str, Any]:
+    """The listener's DownstreamTlsContext transport socket."""
+    common: dict[str, Any] = {"tls_certificates": _certificates(tls.cert_file, tls.key_file),
+                              "alpn_protocols": ["h2", "http/1.1"]}
+    context: dict[str, Any] = {"@type": _DOWNSTREAM_TLS, "common_tls_context": common}
+    if tls.client_ca_file:
+        common["validation_context"] = {"trusted_ca": {"filename": tls.client_ca_file}}
+        context["require_client_certificate"] = True
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+def _upstream_tls(tls: EnvoyTls, server_name: str, alpn: str) -> dict[str, Any]:
+    """An UpstreamTlsContext transport socket checking the peer's certificate against
+    ``upstream_ca_file`` and the SAN ``server_name`` (a DNS name, sent as SNI, or an IP)."""
+    try:
+        ipaddress.ip_address(server_name)
+        san_type, sni = "IP_ADDRESS", ""
+    except ValueError:
+        san_type, sni = "DNS", server_name
+    context: dict[str, Any] = {"@type": _UPSTREAM_TLS, "common_tls_context": {
+        "tls_certificates": _certificates(tls.upstream_cert_file, tls.upstream_key_file),
+        "alpn_protocols": [alpn],
+        "validation_context": {"trusted_ca": {"filename": tls.upstream_ca_file},
+                               "match_typed_subject_alt_names": [{"san_type": san_type,
+                                                                  "matcher": {"exact": server_name}}]},
+    }}
+    if sni:
+        context["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 def envoy_binary() -> str:
@@ -135,7 +214,8 @@ def _local_replies() -> dict[str, Any]:
 
 def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_port: int,
               picker_host: str = "", picker_port: int = 0, admin_host: str = "127.0.0.1", admin_port: int = 0,
-              picker_timeout_s: float = 2.0, trailers_percent: int = TRAILERS_PERCENT) -> dict[str, Any]:
+              picker_timeout_s: float = 2.0, trailers_percent: int = TRAILERS_PERCENT,
+              tls: EnvoyTls | None = None) -> dict[str, Any]:
     """Envoy's bootstrap (a JSON-able dict; JSON is YAML) for the topology of the module docstring.
 
     Args:
@@ -150,7 +230,9 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
         trailers_percent: the share of generation calls (0-100; the runtime key
             ``TRAILERS_RUNTIME_KEY`` overrides it) whose response trailers go to the picker, for
             the prediction-accuracy metric: one more picker message per call, so sampled.
+        tls: TLS on the listener and/or the upstreams (:class:`EnvoyTls`); None = plaintext.
     """
+    tls = tls or EnvoyTls()
     picker = picker_port > 0
     timeout = f"{picker_timeout_s:g}s"
     ext_proc = {
@@ -224,12 +306,19 @@ def bootstrap(*, listen_host: str, listen_port: int, router_host: str, router_po
     if picker:
         clusters += [h2_cluster("kvroute_picker", picker_host, picker_port),  # third: the chart's template sets its address
                      {**http_replica_cluster, "name": "kvroute_http_replicas"}]
+    if tls.upstream_ca_file:
+        router_name = tls.router_server_name or router_host
+        for cluster in clusters:
+            name = router_name if cluster["name"] in ("kvroute_router", "kvroute_picker") else tls.replica_server_name
+            alpn = "http/1.1" if cluster["name"] == "kvroute_http_replicas" else "h2"
+            cluster["transport_socket"] = _upstream_tls(tls, name, alpn)
+    chain: dict[str, Any] = {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+    if tls.cert_file:
+        chain["transport_socket"] = _listener_tls(tls)
     return {
         "admin": {"address": _address(admin_host, admin_port)},
         "static_resources": {
-            "listeners": [{"name": "kvroute", "address": _address(listen_host, listen_port),
-                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                           "typed_config": hcm}]}]}],
+            "listeners": [{"name": "kvroute", "address": _address(listen_host, listen_port), "filter_chains": [chain]}],
             "clusters": clusters,
         },
     }
@@ -249,12 +338,12 @@ class EnvoyFront:
         folder: where the bootstrap, the admin address file and ``envoy.log`` go (default: a new
             temporary folder).
         concurrency: Envoy worker threads.
-        trailers_percent: as :func:`bootstrap`'s.
+        trailers_percent, tls: as :func:`bootstrap`'s.
     """
 
     def __init__(self, router_target: str, *, picker_target: str = "", host: str = "127.0.0.1", port: int = 0,
                  folder: str | Path = "", concurrency: int = 1, log_level: str = "warning",
-                 trailers_percent: int = TRAILERS_PERCENT) -> None:
+                 trailers_percent: int = TRAILERS_PERCENT, tls: EnvoyTls | None = None) -> None:
         router_host, _, router_port = router_target.rpartition(":")
         picker_host, _, picker_port = picker_target.rpartition(":")
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
@@ -262,7 +351,7 @@ class EnvoyFront:
         self.target = f"{dial_host(host)}:{self.port}"
         self.config = bootstrap(listen_host=host, listen_port=self.port, router_host=router_host,
                                 router_port=int(router_port), picker_host=picker_host,
-                                picker_port=int(picker_port or 0), trailers_percent=trailers_percent)
+                                picker_port=int(picker_port or 0), trailers_percent=trailers_percent, tls=tls)
         self.log_path = self.folder / "envoy.log"
         self.admin_url = ""
         self._admin_file = self.folder / "envoy-admin-address"
@@ -324,5 +413,5 @@ class EnvoyFront:
         self.stop()
 
 
-__all__ = ["DESTINATION_HEADER", "ROUTING_NAMESPACE", "TRAILERS_PERCENT", "TRAILERS_RUNTIME_KEY", "EnvoyFront",
+__all__ = ["DESTINATION_HEADER", "ROUTING_NAMESPACE", "TRAILERS_PERCENT", "TRAILERS_RUNTIME_KEY", "EnvoyFront", "EnvoyTls",
            "bootstrap", "envoy_binary"]

@@ -207,7 +207,8 @@ class ReplicaServer:
         )
         if s.http_port >= 0:  # bound now: a taken port fails before anything starts
             app = replica_http_app(frontend, self.telemetry).app
-            self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}")
+            self._http = HttpServer(app, s.host, s.http_port, name=f"replica {self.replica_id}",
+                                    tls=s.http_tls_files())
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(frontend))
         add_servicer(server, replica_pb2.DESCRIPTOR.services_by_name["ReplicaService"], ReplicaServicer(frontend))
@@ -371,6 +372,7 @@ def _check_settings(settings: ReplicaSettings) -> None:
     """The TLS and Redis secret settings, read once before anything starts (exit 2 naming the
     setting). Raises ValueError."""
     server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    settings.http_tls_files(), settings.metrics_tls_files()
     RedisAuth.from_settings(settings)
 
 

@@ -33,13 +33,16 @@ class ReplicaChannels:
     channel. ``prune`` closes the channels of addresses no replica advertises any more that have
     not been used for ``idle_s`` seconds (pods come and go in Kubernetes; their channels must not
     pile up), never one with a call in flight. ``credentials``: TLS to the replicas
-    (kvroute.tls.channel_credentials; None = plaintext).
+    (kvroute.tls.channel_credentials; None = plaintext); ``server_name``: over TLS, the name
+    every replica's certificate is checked against instead of the host dialed ("" = that host).
+    With Kubernetes discovery the router dials pod IPs, which certificates rarely name.
     """
 
     def __init__(self, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS, idle_s: float = 300.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
         self._options = list(options)
         self._credentials = credentials
+        self._server_name = server_name
         self.idle_s = idle_s
         self._entries: dict[str, _Channel] = {}
         self._closing: set[asyncio.Task] = set()
@@ -47,7 +50,8 @@ class ReplicaChannels:
     def stub(self, address: str) -> rep_grpc.ReplicaServiceStub:
         entry = self._entries.get(address)
         if entry is None:
-            channel = open_channel(address, self._credentials, aio=True, options=self._options)
+            channel = open_channel(address, self._credentials, aio=True, options=self._options,
+                                   server_name=self._server_name)
             entry = self._entries[address] = _Channel(channel, rep_grpc.ReplicaServiceStub(channel))
         entry.last_used = time.monotonic()
         return entry.stub

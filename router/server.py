@@ -190,10 +190,11 @@ class RouterServer:
                 tracer = self.telemetry.tracer("kvroute.router")
         self.routing = RoutingService(self.router, self.tokenizer, policy_factory=self.policy, metrics=self.metrics)
         self.proxy = Proxy(self.routing, max_retries=s.max_retries, tracer=tracer,
-                           channels=ReplicaChannels(credentials=replica_tls))
+                           channels=ReplicaChannels(credentials=replica_tls,
+                                                            server_name=s.replica_tls_server_name))
         if s.http_port >= 0:  # bound now: a taken port fails before anything starts
             app = router_http_app(self.routing, self.proxy, self._ready.is_set, self.telemetry).app
-            self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}")
+            self._http = HttpServer(app, s.host, s.http_port, name=f"router {self.router_id}", tls=s.http_tls_files())
             self.http_port = self._http.port
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
         add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.routing, admin_token))
@@ -304,6 +305,9 @@ def _check_settings(settings: RouterSettings) -> None:
     s.weights()
     server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
     channel_credentials(s.replica_tls_ca_file, s.replica_tls_cert_file, s.replica_tls_key_file, prefix="replica_tls_")
+    s.http_tls_files(), s.metrics_tls_files()
+    if s.replica_tls_server_name and not s.replica_tls_ca_file:
+        raise ValueError("replica_tls_server_name: needs replica_tls_ca_file")
     secret_from(s, "admin_token")
     RedisAuth.from_settings(s)
 

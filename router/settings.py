@@ -41,6 +41,10 @@ class RouterSettings(ScoringWeights, RedisSettings, ServingSettings):
     replica_tls_ca_file: str = setting("", "CA bundle (PEM) that verifies the replicas: set = TLS to replicas")
     replica_tls_cert_file: str = setting("", "client certificate chain (PEM) shown to replicas that require mTLS")
     replica_tls_key_file: str = setting("", "client private key (PEM) for replica_tls_cert_file")
+    replica_tls_server_name: str = setting(
+        "", "name every replica certificate is checked against instead of the address dialed"
+            " (e.g. a wildcard or Service name; default: the address's host)"
+    )
     admin_token: str = setting("", "bearer token RouterService.SetPolicy requires (empty = SetPolicy off)", secret=True)
     admin_token_file: str = setting("", "file whose first line is the admin token")
     picker_port: int = setting(

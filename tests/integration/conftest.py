@@ -12,3 +12,16 @@ def redis_server():
 
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Test certificates (tests.support_tls): ``ca`` and ``other_ca`` (CA files), and (cert, key)
+    files for ``replica``, ``router``, ``client`` (all of ``ca``) and ``stranger`` (of ``other_ca``),
+    each valid for 127.0.0.1 and localhost."""
+    from tests.support_tls import TestCA
+
+    folder = tmp_path_factory.mktemp("pki")
+    ca, other = TestCA(folder, "kvroute-test-ca"), TestCA(folder, "other-ca")
+    return {"ca": str(ca.file), "other_ca": str(other.file), "replica": ca.issue("replica"),
+            "router": ca.issue("router"), "client": ca.issue("client"), "stranger": other.issue("stranger")}

@@ -27,14 +27,6 @@ T = 30.0
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pki")
-    ca, other = TestCA(folder, "kvroute-test-ca"), TestCA(folder, "other-ca")
-    return {"ca": str(ca.file), "other_ca": str(other.file), "replica": ca.issue("replica"),
-            "router": ca.issue("router"), "client": ca.issue("client"), "stranger": other.issue("stranger")}
-
-
-@pytest.fixture(scope="module")
 def cluster(redis_server, default_model_dir, pki):
     cert, key = pki["replica"]
     replica = ReplicaSettings(
@@ -109,6 +101,7 @@ def test_a_client_cert_without_a_ca_is_an_error_naming_the_setting():
 @pytest.mark.parametrize(("main", "argv", "message"), [
     ("router", ["--tls-cert-file", "c.pem"], "tls_cert_file, tls_key_file: set both or neither"),
     ("router", ["--replica-tls-cert-file", "c.pem"], "need replica_tls_ca_file"),
+    ("router", ["--replica-tls-server-name", "replica.svc"], "replica_tls_server_name: needs replica_tls_ca_file"),
     ("router", ["--admin-token-file", "/nonexistent/token"], "admin_token_file: cannot read /nonexistent/token"),
     ("replica", ["--tls-client-ca-file", "ca.pem"], "tls_client_ca_file: needs tls_cert_file"),
     ("replica", ["--redis-password", "a", "--redis-password-file", "f"], "redis_password, redis_password_file"),
@@ -119,3 +112,31 @@ def test_a_bad_security_setting_stops_the_process_with_exit_2_naming_it(capsys, 
 
     assert {"router": router.server, "replica": replica.server}[main].main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_replica_tls_server_name_checks_the_replicas_name_not_the_ip_dialed(redis_server, default_model_dir, pki,
+                                                                          tmp_path):
+    """A replica whose certificate names only its DNS name (as a pod's does: not the pod IP the
+    router dials): without ``replica_tls_server_name`` the handshake fails and the call is
+    UNAVAILABLE; with the name set the same call is served."""
+    cert, key = TestCA(tmp_path, "named-ca").issue("rep-named", ("rep.tls.svc",), loopback=False)
+    ca = str(tmp_path / "named-ca.pem")
+    replica = ReplicaSettings(
+        host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="rep-named", redis_url=redis_server.url,
+        namespace="tls-named", num_blocks=64, torch_threads=1, heartbeat_interval=0.2, heartbeat_ttl=5.0,
+        max_num_seqs=2, tls_cert_file=cert, tls_key_file=key,
+    )
+    base = dict(host="127.0.0.1", port=0, redis_url=redis_server.url, namespace="tls-named",
+                model=str(default_model_dir), heartbeat_poll_interval=0.1, replica_tls_ca_file=ca, max_retries=0)
+    with BackgroundReplica(replica):
+        for server_name, served in (("", False), ("rep.tls.svc", True)):
+            with BackgroundRouter(RouterSettings(**base, replica_tls_server_name=server_name)) as r:
+                wait_for(lambda r=r: len(r.server.registry.routable()) == 1, what="replica routable")
+                with grpc.insecure_channel(r.target) as ch:
+                    stub = gen_grpc.GenerationServiceStub(ch)
+                    if served:
+                        assert stub.Generate(_request(), timeout=T).usage.completion_tokens == 4
+                    else:
+                        with pytest.raises(grpc.RpcError) as err:
+                            stub.Generate(_request(), timeout=T)
+                        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
