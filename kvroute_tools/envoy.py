@@ -33,6 +33,8 @@ Timeouts: the client's ``grpc-timeout`` goes to the replica, which enforces it (
 time the stream), connect 2 s, the picker's answers 2 s each. Retries only before the first byte
 (Envoy never retries once response headers went downstream), and only failures that cannot have
 reached the engine: connect failure, refused stream, reset before the request. The retry goes to the same endpoint: ORIGINAL_DST takes one address.
+TLS (:class:`EnvoyTls`): on the listener, and on every upstream, each certificate checked against a
+name rather than the address dialed (ORIGINAL_DST dials the picked replica's IP).
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ import yaml
 
 from kvroute_tools.envoy import bootstrap, envoy_binary
 from kvroute_tools.redis_server import free_port
-from tests.deploy.chart import FULLNAME, NAMESPACE, container, find, helm, notes, pod_spec, render
-from tests.deploy.envoy_chart import BOOTSTRAP_FILE, file_text
+from tests.deploy.chart import FULLNAME, NAMESPACE, container, env_of, find, notes, pod_spec, render
+from tests.deploy.envoy_chart import BOOTSTRAP_FILE, TLS_BOOTSTRAP_FILE, TLS_DIR, chart_tls, file_text
 from tests.support import wait_for
+from tests.support_tls import TestCA
 
 ROUTER, REPLICA, ENVOY = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-envoy"
 DATA = Path(__file__).resolve().parent / "data"
@@ -178,13 +179,48 @@ def test_the_envoy_deployment_runs_the_bootstrap_non_root_with_probes_on_ready()
         deployment["spec"]["template"]["metadata"]["annotations"][key]
 
 
-def test_envoy_mode_with_tls_is_refused_at_render_naming_both_values():
-    # The bootstrap speaks plaintext to TLS-only routers and replicas: every call would fail.
-    with pytest.raises(helm.HelmRenderError) as err:
-        render({**ENVOY_MODE, "tls": {"enabled": True, "existingSecret": "kvr-tls"}})
-    assert "gateway.mode: envoy with tls.enabled is not supported" in str(err.value)
-    assert any(d["kind"] == "Deployment" and d["metadata"]["name"] == ENVOY
-               for d in render({**ENVOY_MODE, "tls": {"enabled": False}}))
+def test_the_charts_tls_bootstrap_file_is_the_generators_output():
+    assert TLS_BOOTSTRAP_FILE.read_text() == file_text(tls=True), \
+        "kvroute_tools.envoy.bootstrap changed: run PYTHONPATH=. python -m tests.deploy.envoy_chart"
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_envoy_mode_with_tls_renders_the_generators_tls_bootstrap_for_the_release_names(mutual):
+    values = {**ENVOY_MODE, "tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": mutual}}
+    config = rendered_bootstrap(values)
+    listeners, clusters = config["static_resources"]["listeners"], config["static_resources"]["clusters"]
+    listeners.pop([x["name"] for x in listeners].index("ready"))
+    clusters.pop([c["name"] for c in clusters].index("envoy_admin"))
+    router_host = f"{ROUTER}.{NAMESPACE}.svc"
+    assert config == bootstrap(
+        listen_host="0.0.0.0", listen_port=8080, router_host=router_host, router_port=50050, picker_host=router_host,
+        picker_port=9002, admin_host="127.0.0.1", admin_port=9901,
+        tls=chart_tls(replica_server_name=f"{REPLICA}.{NAMESPACE}.svc", router_server_name=ROUTER, client_ca=mutual))
+    # The Envoy pods mount the Secret the bootstrap names, and the routers check replicas by the same name.
+    deployment = find(render(values), "Deployment", ENVOY)
+    assert {"name": "tls", "secret": {"secretName": "kvr-tls"}} in pod_spec(deployment)["volumes"]
+    assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in container(deployment, "envoy")["volumeMounts"]
+    router_env = env_of(container(find(render(values), "Deployment", ROUTER), "router"))
+    assert router_env["KVROUTE_REPLICA_TLS_SERVER_NAME"] == f"{REPLICA}.{NAMESPACE}.svc"
+
+
+def test_the_real_envoy_accepts_the_rendered_tls_bootstrap_with_the_secrets_files(tmp_path):
+    ca = TestCA(tmp_path, "ca")
+    cert, key = ca.issue("kvroute")
+    for name, source in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca.file)):
+        (tmp_path / name).write_bytes(Path(source).read_bytes())
+    values = {**ENVOY_MODE, "tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}}
+    text = find(render(values), "ConfigMap", ENVOY)["data"]["envoy.json"]
+    assert TLS_DIR in text
+    path = tmp_path / "envoy.json"
+    path.write_text(text.replace(TLS_DIR, str(tmp_path)))
+    done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"configuration '{path}' OK" in done.stdout + done.stderr, done.stderr[-2000:]
+    (tmp_path / "tls.key").write_text("not a key")  # and the check reads the files
+    bad = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
 
 
 def test_proxy_mode_renders_no_gateway_resources():

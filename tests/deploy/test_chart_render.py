@@ -53,6 +53,8 @@ MATRIX = {
     "gateway-inference-pool": {"gateway": {"mode": "inferencePool"}, "router": {"discovery": "redis"}},
     "tls": {"tls": {"enabled": True, "existingSecret": "kvr-tls"}, "router": {"discovery": "static"}},
     "tls-mutual": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
+    "tls-everywhere": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True, "http": True, "metrics": True},
+                       "gateway": {"mode": "envoy"}, "metrics": {"serviceMonitor": {"enabled": True}}},
     "vllm-replicas": {"replica": {"engine": "vllm", "vllm": {"extraArgs": ["--max-model-len", "4096"]}}},
     "vllm-static": {"replica": {"engine": "vllm"}, "router": {"discovery": "static"}},
     "vllm-inference-pool": {"replica": {"engine": "vllm"}, "router": {"discovery": "redis"},
@@ -222,7 +224,8 @@ def test_tls_mounts_the_secret_sets_the_settings_and_probes_over_tls(mutual):
     server = {"KVROUTE_TLS_CERT_FILE": f"{TLS_DIR}/tls.crt", "KVROUTE_TLS_KEY_FILE": f"{TLS_DIR}/tls.key"}
     if mutual:
         server["KVROUTE_TLS_CLIENT_CA_FILE"] = f"{TLS_DIR}/ca.crt"
-    to_replicas = {"KVROUTE_REPLICA_TLS_CA_FILE": f"{TLS_DIR}/ca.crt"}
+    to_replicas = {"KVROUTE_REPLICA_TLS_CA_FILE": f"{TLS_DIR}/ca.crt",  # checked by the Service's name, not pod IPs
+                   "KVROUTE_REPLICA_TLS_SERVER_NAME": f"{REPLICA}.{NAMESPACE}.svc"}
     if mutual:  # the router presents its own certificate to the replicas
         to_replicas |= {"KVROUTE_REPLICA_TLS_CERT_FILE": f"{TLS_DIR}/tls.crt",
                         "KVROUTE_REPLICA_TLS_KEY_FILE": f"{TLS_DIR}/tls.key"}
@@ -249,6 +252,22 @@ def test_tls_mounts_the_secret_sets_the_settings_and_probes_over_tls(mutual):
     # Without tls: no mount, no TLS setting, native gRPC probes (pinned in test_defaults_render_the_whole_release).
     plain = container(find(render({}), "Deployment", ROUTER), "router")
     assert not [k for k in env_of(plain) if "TLS" in k] and "tls" not in [m["name"] for m in plain["volumeMounts"]]
+
+
+def test_tls_http_and_metrics_serve_https_and_the_service_monitors_scrape_it_with_the_secret():
+    docs = render(MATRIX["tls-everywhere"])
+    for kind, name, cname in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "replica")):
+        env = env_of(container(find(docs, kind, name), cname))
+        assert (env["KVROUTE_HTTP_TLS"], env["KVROUTE_METRICS_TLS"]) == ("true", "true"), name
+    secret = lambda key: {"secret": {"name": "kvr-tls", "key": key}}  # noqa: E731
+    for name, server_name in ((ROUTER, ROUTER), (REPLICA, f"{REPLICA}.{NAMESPACE}.svc")):
+        [endpoint] = find(docs, "ServiceMonitor", name)["spec"]["endpoints"]
+        assert endpoint["scheme"] == "https"
+        assert endpoint["tlsConfig"] == {"serverName": server_name, "ca": secret("ca.crt"), "cert": secret("tls.crt"),
+                                         "keySecret": {"name": "kvr-tls", "key": "tls.key"}}
+    # Off unless asked: tls.enabled alone keeps the HTTP and metrics ports plaintext.
+    env = env_of(container(find(render(MATRIX["tls-mutual"]), "Deployment", ROUTER), "router"))
+    assert "KVROUTE_HTTP_TLS" not in env and "KVROUTE_METRICS_TLS" not in env
 
 
 def test_every_replica_setting_is_reachable_from_values():

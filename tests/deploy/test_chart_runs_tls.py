@@ -5,9 +5,10 @@ where the chart mounts it. The exec probes run as declared and must pass over TL
 command exits 0; a generation goes through the router to the replica over mTLS on both hops; a
 plaintext client and a client without a certificate are refused.
 
-Static discovery, as docs/security.md asks for with TLS; the local DNS maps the pods' names to loopback
-IPs, so the one certificate names the router Service and the pods' IPs (in a cluster: the pods'
-DNS names, ``*.<fullname>-replica.<namespace>.svc``).
+Static discovery; the local DNS maps the pods' names to loopback IPs. The one certificate names the
+router Service, the router pod's IP (what this test dials) and the replica Service
+``<fullname>-replica.<namespace>.svc`` -- not the replica's IP or pod name: the router checks the
+replica against the Service's name (``KVROUTE_REPLICA_TLS_SERVER_NAME``), as docs/security.md says.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def test_the_rendered_release_runs_over_mutual_tls(tmp_path: Path):
         [replica] = local.add_pods(find(docs, "StatefulSet", REPLICA))
         [router] = local.add_pods(find(docs, "Deployment", ROUTER))
         ca = TestCA(tmp_path, "kvroute-ca")
-        cert, key = ca.issue("kvroute", dns_names=(ROUTER,), ips=(replica.ip, router.ip), loopback=False)
+        cert, key = ca.issue("kvroute", dns_names=(ROUTER, f"{REPLICA}.{NAMESPACE}.svc"), ips=(router.ip,),
+                             loopback=False)
         local.secrets["kvr-tls"] = {"tls.crt": Path(cert).read_text(), "tls.key": Path(key).read_text(),
                                     "ca.crt": ca.file.read_text()}  # kubectl create secret ... (docs/security.md)
 

@@ -195,6 +195,11 @@ settings that point at it (pass (dict "ctx" $ "component" "router")), the client
   readOnly: true
 {{- end }}
 {{- end }}
+{{/* The name replica certificates are checked against by the routers and Envoy: the replica
+Service's (they dial pod IPs, which no certificate names). */}}
+{{- define "kvroute.replica.serverName" -}}
+{{ include "kvroute.replica.name" . }}.{{ .Release.Namespace }}.svc
+{{- end }}
 {{- define "kvroute.tlsEnv" -}}
 {{- $ := .ctx }}
 {{- $dir := include "kvroute.tlsDir" $ }}
@@ -207,9 +212,19 @@ settings that point at it (pass (dict "ctx" $ "component" "router")), the client
 - name: KVROUTE_TLS_CLIENT_CA_FILE
   value: {{ $dir }}/ca.crt
 {{- end }}
+{{- if $.Values.tls.http }}
+- name: KVROUTE_HTTP_TLS
+  value: "true"
+{{- end }}
+{{- if $.Values.tls.metrics }}
+- name: KVROUTE_METRICS_TLS
+  value: "true"
+{{- end }}
 {{- if eq .component "router" }}
 - name: KVROUTE_REPLICA_TLS_CA_FILE
   value: {{ $dir }}/ca.crt
+- name: KVROUTE_REPLICA_TLS_SERVER_NAME
+  value: {{ include "kvroute.replica.serverName" $ }}
 {{- if $.Values.tls.mutual }}
 - name: KVROUTE_REPLICA_TLS_CERT_FILE
   value: {{ $dir }}/tls.crt
@@ -331,14 +346,31 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
 {{- define "kvroute.envoy.name" -}}{{ include "kvroute.fullname" . | trunc 57 | trimSuffix "-" }}-envoy{{- end }}
 {{- define "kvroute.inferencePool.name" -}}{{ default (include "kvroute.fullname" .) .Values.gateway.inferencePool.name }}{{- end }}
 
-{{/* Envoy's bootstrap (JSON): files/envoy-bootstrap.json, which is kvroute_tools.envoy.bootstrap's
-output (tests/deploy/envoy_chart.py writes it), with the release's addresses put in, and a
-listener for the kubelet that answers only /ready, from the admin's /ready (the admin itself
-stays on 127.0.0.1). */}}
+{{/* Envoy's bootstrap (JSON): files/envoy-bootstrap.json (envoy-bootstrap-tls.json with
+tls.enabled), which is kvroute_tools.envoy.bootstrap's output (tests/deploy/envoy_chart.py writes
+it), with the release's addresses put in, and a listener for the kubelet that answers only /ready,
+from the admin's /ready (the admin itself stays on 127.0.0.1). With TLS: the router's certificate
+is checked against the router Service's name, the replicas' against the replica Service's
+(<replica>.<namespace>.svc: Envoy dials pod IPs), and tls.mutual makes the listener require a
+client certificate of ca.crt. */}}
 {{- define "kvroute.envoy.bootstrap" -}}
 {{- $e := .Values.gateway.envoy }}
-{{- $b := .Files.Get "files/envoy-bootstrap.json" | fromJson }}
+{{- $b := .Files.Get (ternary "files/envoy-bootstrap-tls.json" "files/envoy-bootstrap.json" .Values.tls.enabled) | fromJson }}
 {{- $sr := index $b "static_resources" }}
+{{- if .Values.tls.enabled }}
+{{- $replicaName := include "kvroute.replica.serverName" . }}
+{{- range $c := index $sr "clusters" }}
+{{- $name := ternary (include "kvroute.router.name" $) $replicaName (has (index $c "name") (list "kvroute_router" "kvroute_picker")) }}
+{{- $ctx := index $c "transport_socket" "typed_config" }}
+{{- $_ := set $ctx "sni" $name }}
+{{- $_ = set (index $ctx "common_tls_context" "validation_context" "match_typed_subject_alt_names" 0 "matcher") "exact" $name }}
+{{- end }}
+{{- if .Values.tls.mutual }}
+{{- $down := index $sr "listeners" 0 "filter_chains" 0 "transport_socket" "typed_config" }}
+{{- $_ := set (index $down "common_tls_context") "validation_context" (dict "trusted_ca" (dict "filename" (printf "%s/ca.crt" (include "kvroute.tlsDir" .)))) }}
+{{- $_ = set $down "require_client_certificate" true }}
+{{- end }}
+{{- end }}
 {{- $_ := set (index $b "admin" "address" "socket_address") "address" "127.0.0.1" }}
 {{- $_ = set (index $b "admin" "address" "socket_address") "port_value" (int $e.adminPort) }}
 {{- $front := index $sr "listeners" 0 "address" "socket_address" }}
