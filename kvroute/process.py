@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvroute.telemetry import Telemetry, setup_telemetry
+from kvroute.telemetry import Telemetry, otlp_configured, otlp_protocol, setup_telemetry
 from kvroute.tls import ServerTlsFiles
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ def run_main(
         settings = load_settings(settings_cls, argv, prog=prog, description=description)
         if check is not None:
             check(settings)
+        if otlp_configured():
+            otlp_protocol("traces"), otlp_protocol("metrics")
     except ValueError as e:  # a flag or KVROUTE_* value that does not parse; the message names it
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,14 @@ One call per process, :func:`setup_telemetry`, builds the two providers and thei
 
 OTLP is on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its ``_TRACES_`` / ``_METRICS_`` variant) is
 set: the ``OTEL_*`` variables belong to the OpenTelemetry contract, and the OTLP exporters read
-endpoint, headers and protocol options from them themselves. Pass ``otlp=True/False`` to decide
-explicitly instead.
+endpoint, headers and TLS options from them themselves. The transport is
+``OTEL_EXPORTER_OTLP_PROTOCOL`` (or its per-signal variant): ``grpc`` (the default, port 4317) or
+``http/protobuf`` (port 4318), as the specification names them (:func:`otlp_protocol`). Pass
+``otlp=True/False`` to decide explicitly instead.
+
+Stopping never waits on a collector for long: :meth:`Telemetry.shutdown` gives the last export
+``SHUTDOWN_WAIT_S`` and then lets it go (a daemon thread), so a process whose collector is down
+still stops at once.
 
 Processes instrument through the returned :class:`Telemetry` handle (``meter()``, ``tracer()``),
 never through the global providers, so that tests can build several independent stacks in one
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +60,8 @@ OTLP_ENDPOINT_VARIABLES = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
 )
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # the specification's names; http/json has no Python exporter
+SHUTDOWN_WAIT_S = 1.0  # what stopping gives the last export to a collector
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -109,14 +118,55 @@ class Telemetry:
 
         return generate_latest(self.registry).decode()
 
-    def shutdown(self) -> None:
-        """Flush and stop exporters and the HTTP endpoint (idempotent)."""
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Stop the HTTP endpoint, flush and stop the exporters (idempotent). The flush gets
+        ``wait_s`` seconds: past that it goes on in a daemon thread and is given up with the
+        process (an unreachable collector would otherwise hold the stop for its export timeout)."""
         if self._http_server is not None:
             self._http_server.shutdown()
             self._http_server.server_close()
             self._http_server = None
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+
+        def flush() -> None:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+
+        thread = threading.Thread(target=flush, name=f"{self.service_name} telemetry shutdown", daemon=True)
+        thread.start()
+        thread.join(wait_s)
+        if thread.is_alive():
+            log.warning("telemetry: the last export did not finish within %.1f s (collector unreachable?);"
+                        " given up", wait_s)
+
+
+def otlp_protocol(signal: str, env: Mapping[str, str] | None = None) -> str:
+    """The OTLP transport of ``signal`` (``traces`` or ``metrics``):
+    ``OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL``, else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc``.
+
+    Raises:
+        ValueError: a value other than ``grpc`` or ``http/protobuf`` (the message names the variable).
+    """
+    env = os.environ if env is None else env
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = env.get(name, "").strip()
+        if value:
+            if value not in OTLP_PROTOCOLS:
+                raise ValueError(f"{name}: {value!r} is not supported (use {' or '.join(OTLP_PROTOCOLS)})")
+            return value
+    return "grpc"
+
+
+def _otlp_exporters() -> tuple[Any, Any]:
+    """(span exporter, metric exporter) for each signal's :func:`otlp_protocol`."""
+    if otlp_protocol("traces") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    if otlp_protocol("metrics") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    return OTLPSpanExporter(), OTLPMetricExporter()
 
 
 def otlp_configured(env: Mapping[str, str] | None = None) -> bool:
@@ -146,7 +196,8 @@ def setup_telemetry(
         metrics_host: the endpoint's listen address (``0.0.0.0`` = every interface).
         metrics_tls: serve the endpoint over https with these files (kvroute.tls.server_tls_files;
             a client CA = scrapers must present a certificate of it); None = plain HTTP.
-        otlp: export metrics and traces with OTLP/gRPC; ``None`` = when ``otlp_configured()``.
+        otlp: export metrics and traces with OTLP (over :func:`otlp_protocol`'s transport);
+            ``None`` = when ``otlp_configured()``.
         span_exporters: extra span exporters, each behind a ``SimpleSpanProcessor`` (tests).
         metric_readers: extra metric readers (tests pass an ``InMemoryMetricReader``).
         resource_attributes: more resource attributes (``service.instance.id``, ...).
@@ -154,6 +205,7 @@ def setup_telemetry(
 
     Raises:
         OSError: ``metrics_port`` cannot be bound.
+        ValueError: an unsupported ``OTEL_EXPORTER_OTLP_*PROTOCOL`` with OTLP on.
     """
     resource = Resource.create({SERVICE_NAME: service_name, **(resource_attributes or {})})
     otlp = otlp_configured() if otlp is None else otlp
@@ -176,23 +228,23 @@ def setup_telemetry(
             "client_cafile": metrics_tls.client_ca_file or None, "client_auth_required": bool(metrics_tls.client_ca_file)}
         http_server, _thread = start_http_server(metrics_port, addr=metrics_host, registry=registry, **tls)
         bound_port = http_server.server_port
-    tracer_provider = TracerProvider(resource=resource)
+    # No exit hook of the SDK's own: Telemetry.shutdown bounds the last export, an atexit one would not.
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     if otlp:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        span_exporter, metric_exporter = _otlp_exporters()
+        readers.append(PeriodicExportingMetricReader(metric_exporter))
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     span_exporters = list(span_exporters)
     for exporter in span_exporters:
         tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     if set_global:
         metrics.set_meter_provider(meter_provider)
         trace.set_tracer_provider(tracer_provider)
     log.info(
         "telemetry: service %s, prometheus %s, otlp %s",
-        service_name, f":{bound_port}" if bound_port is not None else "off", "on" if otlp else "off",
+        service_name, f":{bound_port}" if bound_port is not None else "off",
+        f"on (traces {otlp_protocol('traces')}, metrics {otlp_protocol('metrics')})" if otlp else "off",
     )
     return Telemetry(
         service_name, meter_provider, tracer_provider, registry, bound_port, otlp, otlp or bool(span_exporters),
@@ -254,6 +306,7 @@ __all__ = [
     "extract_context",
     "inject_metadata",
     "otlp_configured",
+    "otlp_protocol",
     "set_span_error",
     "setup_telemetry",
     "start_server_span",
