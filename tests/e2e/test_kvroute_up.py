@@ -281,3 +281,42 @@ def test_up_keep_going_serves_on_with_the_other_replica_when_one_dies(tmp_path, 
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0, "".join(out.lines)
+
+
+def test_up_stops_at_once_with_the_otlp_collector_unreachable(tmp_path, default_model_dir):
+    """A collector that accepts connections and never answers (every export would wait for the
+    exporters' 10 s timeout): SIGTERM still stops the cluster promptly, every process giving its
+    last export one second (kvroute.telemetry.SHUTDOWN_WAIT_S)."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.extend(silent.accept()[0] for _ in range(16)), daemon=True).start()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+           "OTEL_METRIC_EXPORT_INTERVAL": "500"}
+    up = subprocess.Popen(
+        [*KVROUTE, "up", "--replicas", "1", "--router-port", "0", "--num-blocks", "256", "--model",
+         str(default_model_dir), "--log-dir", str(tmp_path), "--ready-timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    out = _Lines(up)
+    try:
+        out.wait_for(r"kvroute up: ready in", timeout=150)
+        target = re.search(r"^  router\s+(\S+)\s+pid", "".join(out.lines), re.M).group(1)
+        gen = subprocess.run([*KVROUTE, "generate", "--target", target, "--max-tokens", "2", "traced"],
+                             capture_output=True, text=True, timeout=60)  # spans and metrics to export
+        assert gen.returncode == 0, gen.stderr
+        time.sleep(1.0)  # a metric export in flight, stuck on the silent collector
+        assert held, "no process dialed the collector"
+        started = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0, out.rest()
+        took = time.monotonic() - started
+        print(f"kvroute up stopped in {took:.2f} s with the collector unreachable")
+        # Bounded by the one-second wait per process, not by the exporters' 10 s (with a margin
+        # for a loaded two-core machine).
+        assert took < 5.0, f"stopped in {took:.1f} s:\n{out.rest()}"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        silent.close()
