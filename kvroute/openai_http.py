@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import anyio
 import grpc
 import uvicorn
+from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -46,11 +47,15 @@ from kvroute.openai_api import (
 from kvroute.process import dial_target
 from kvroute.prompt import InvalidRequestError, check_model
 from kvroute.responses import concat_deltas
-from kvroute.telemetry import Telemetry
+from kvroute.telemetry import Telemetry, end_http_span, start_http_span
 from kvroute.tls import ServerTlsFiles
 from kvroute.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger(__name__)
+
+# The name of the request path's span under the HTTP SERVER span (an INTERNAL one: routing and
+# proxying in the router, queue / prefill / decode in the replica).
+GENERATE_SPAN = "kvroute.generate"
 
 
 class HttpCallContext:
@@ -58,9 +63,12 @@ class HttpCallContext:
     request headers as invocation metadata (W3C trace context), no deadline, and the trailing
     metadata the path sets (returned as response headers)."""
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, metadata: tuple[tuple[str, str], ...], trace_context: Any = None) -> None:
         self._metadata = metadata  # the request headers, names lower-cased (:func:`header_metadata`)
         self.trailing: tuple[tuple[str, str], ...] = ()
+        # The HTTP SERVER span's context (kvroute.telemetry.call_context): the request path's span
+        # is its child. None: no span (the path reads the headers' trace context).
+        self.trace_context = trace_context
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -160,6 +168,15 @@ async def _merged(heads: list[gen_pb.GenerateResponse | None], streams: list[Asy
             await asyncio.gather(*pending, return_exceptions=True)
 
 
+async def _ending(body: AsyncIterator[Any], span: Any, status: int) -> AsyncIterator[Any]:
+    """``body``, then the end of the request's HTTP span (however the stream ends)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        end_http_span(span, status)
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -196,7 +213,29 @@ class OpenAIApp:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        """One completions / chat completions call, inside its HTTP SERVER span when the process
+        traces (the span ends with the response: after the last SSE event when streamed)."""
+        span = None
+        if self.telemetry is not None and self.telemetry.tracing:
+            client = request.client
+            span = start_http_span(self.telemetry.tracer("kvroute.http"), request.method, request.url.path,
+                                   request.url.scheme, request.headers, (client.host, client.port) if client else None)
+        try:
+            response = await self._respond(request, chat=chat, span=span)
+        except BaseException:
+            if span is not None:
+                end_http_span(span, 500)
+            raise
+        if span is not None:
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _ending(response.body_iterator, span, response.status_code)
+            else:
+                end_http_span(span, response.status_code)
+        return response
+
+    async def _respond(self, request: Request, *, chat: bool, span: Any) -> Response:
         streams: list[AsyncIterator[gen_pb.GenerateResponse]] = []
+        trace_context = trace.set_span_in_context(span) if span is not None else None
         try:
             try:
                 body = json.loads(await request.body())
@@ -208,8 +247,8 @@ class OpenAIApp:
             model, _ = self.backend.model()
             check_model(body.get("model"), model)
             metadata = header_metadata(request.headers)  # once: every prompt of a batch shares it
-            contexts = [HttpCallContext(metadata) for _ in requests]
-            method = "POST " + request.url.path
+            contexts = [HttpCallContext(metadata, trace_context) for _ in requests]
+            method = GENERATE_SPAN
             operation = "chat" if chat else "text_completion"
             streams = [self.backend.stream(r, c, method=method, operation=operation)
                        for r, c in zip(requests, contexts, strict=True)]

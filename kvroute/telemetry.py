@@ -272,12 +272,56 @@ def inject_metadata(metadata: Sequence[tuple[str, str]] = (), ctx: otel_context.
     return [*metadata, *carrier.items()]
 
 
+def call_context(context: Any) -> otel_context.Context:
+    """The trace context a request path continues: the span an in-process front opened for the
+    call (``context.trace_context``, set by the HTTP front), else what the caller sent in the gRPC
+    metadata (:func:`extract_context`)."""
+    local = getattr(context, "trace_context", None)
+    return local if local is not None else extract_context(context.invocation_metadata())
+
+
 def start_server_span(
     tracer: trace.Tracer, name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any]
 ) -> trace.Span:
     """Open the SERVER span of one call ``name`` (e.g. ``kvroute.v1.ReplicaService/GenerateStream``),
-    continuing ``parent`` (what :func:`extract_context` returned; None = a new trace)."""
-    return tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes))
+    continuing ``parent`` (what :func:`call_context` returned; None = a new trace). Under a span of
+    this process (the HTTP front's SERVER span) it is an INTERNAL span instead, without the
+    ``rpc.*`` attributes: the call did not come over gRPC."""
+    attributes = dict(attributes)
+    kind = SpanKind.SERVER
+    local = trace.get_current_span(parent).get_span_context() if parent is not None else None
+    if local is not None and local.is_valid and not local.is_remote:
+        kind = SpanKind.INTERNAL
+        attributes = {k: v for k, v in attributes.items() if not k.startswith("rpc.")}
+    return tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+
+
+def start_http_span(tracer: trace.Tracer, method: str, route: str, scheme: str, headers: Mapping[str, str],
+                    peer: tuple[str, int] | None = None) -> trace.Span:
+    """The SERVER span of one HTTP request, as OpenTelemetry's HTTP semantic conventions name and
+    attribute it: ``"{method} {route}"``, ``http.request.method``, ``http.route``, ``url.path``,
+    ``url.scheme``, ``user_agent.original``, ``client.address``; continuing the W3C trace context
+    of the request headers. End it with :func:`end_http_span`."""
+    carrier = {k.lower(): v for k, v in headers.items()}
+    attributes: dict[str, Any] = {"http.request.method": method, "http.route": route, "url.path": route,
+                                  "url.scheme": scheme}
+    if "user-agent" in carrier:
+        attributes["user_agent.original"] = carrier["user-agent"]
+    if peer is not None:
+        attributes["client.address"] = peer[0]
+    return tracer.start_span(f"{method} {route}", context=propagate.extract(carrier), kind=SpanKind.SERVER,
+                             attributes=attributes)
+
+
+def end_http_span(span: trace.Span, status: int, message: str = "") -> None:
+    """End an HTTP SERVER span with ``http.response.status_code``. Per the conventions a 5xx is an
+    error (``error.type`` the status code, span status ERROR); a 4xx is the client's and leaves the
+    status unset."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_attribute(ATTR_ERROR_TYPE, str(status))
+        span.set_status(Status(StatusCode.ERROR, message or str(status)))
+    span.end()
 
 
 def set_span_error(span: trace.Span, error: tuple[str, str]) -> None:
@@ -303,11 +347,14 @@ __all__ = [
     "TPOT_BUCKETS",
     "TTFT_BUCKETS",
     "Telemetry",
+    "call_context",
+    "end_http_span",
     "extract_context",
     "inject_metadata",
     "otlp_configured",
     "otlp_protocol",
     "set_span_error",
     "setup_telemetry",
+    "start_http_span",
     "start_server_span",
 ]

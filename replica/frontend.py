@@ -37,7 +37,7 @@ from kvroute.engine_info import EngineInfo
 from kvroute.grpc_errors import RpcError, call_outcome
 from kvroute.prompt import check_model, prompt_ids
 from kvroute.responses import MD_CACHED_TOKENS, concat_deltas
-from kvroute.telemetry import extract_context
+from kvroute.telemetry import ATTR_REPLICA, call_context
 from kvroute.tokenizer import Tokenizer
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
@@ -226,8 +226,9 @@ class ReplicaFrontend:
         if self.tracer is not None:
             service, _, name = method.rpartition("/")
             spans = RequestSpans(
-                self.tracer, method, extract_context(context.invocation_metadata()),
-                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "gen_ai.operation.name": operation},
+                self.tracer, method, call_context(context),
+                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "gen_ai.operation.name": operation,
+                 ATTR_REPLICA: self.replica_id},
             )
         call: _Call | None = None
         first_token_s: float | None = None

@@ -56,7 +56,7 @@ import grpc
 from kvroute.grpc_errors import call_outcome, deadline_expired
 from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.responses import MD_PREDICTED, MD_REPLICA, concat_deltas
-from kvroute.telemetry import extract_context, inject_metadata
+from kvroute.telemetry import call_context, inject_metadata
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import router_pb2 as router_pb
@@ -133,7 +133,7 @@ class Proxy:
         """
         t0 = time.perf_counter()
         operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
-        parent = extract_context(context.invocation_metadata())
+        parent = call_context(context)
         spans = None
         if self.tracer is not None:
             service, _, name = method.rpartition("/")

@@ -16,8 +16,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as trace_grpc
 
 
-def _span_names(request: trace_pb.ExportTraceServiceRequest) -> list[str]:
-    return [s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+def _spans(request: trace_pb.ExportTraceServiceRequest) -> list:
+    return [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
 
 
 def _metric_names(request: metrics_pb.ExportMetricsServiceRequest) -> list[str]:
@@ -28,13 +28,15 @@ class OtlpReceiver:
     """Both OTLP transports on free loopback ports: ``grpc_endpoint`` (``http://127.0.0.1:P``, what
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` takes for grpc) and ``http_endpoint`` (the base URL the HTTP
     exporters append ``/v1/<signal>`` to). ``spans[transport]`` and ``metrics[transport]``
-    (transport ``"grpc"`` or ``"http/protobuf"``) list the names received, in order."""
+    (transport ``"grpc"`` or ``"http/protobuf"``) list the names received, in order;
+    ``received[transport]`` the spans themselves (``opentelemetry.proto.trace.v1.Span``)."""
 
     __test__ = False
 
     def __init__(self) -> None:
         self.spans: dict[str, list[str]] = {"grpc": [], "http/protobuf": []}
         self.metrics: dict[str, list[str]] = {"grpc": [], "http/protobuf": []}
+        self.received: dict[str, list] = {"grpc": [], "http/protobuf": []}
         self._lock = threading.Lock()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(4))
         trace_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._grpc)
@@ -44,9 +46,10 @@ class OtlpReceiver:
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.http_endpoint = f"http://127.0.0.1:{self._http.server_address[1]}"
 
-    def record(self, transport: str, spans: list[str] = (), metrics: list[str] = ()) -> None:
+    def record(self, transport: str, spans: list = (), metrics: list[str] = ()) -> None:
         with self._lock:
-            self.spans[transport] += spans
+            self.received[transport] += spans
+            self.spans[transport] += [s.name for s in spans]
             self.metrics[transport] += metrics
 
     def __enter__(self) -> OtlpReceiver:
@@ -65,7 +68,7 @@ class _TraceService(trace_grpc.TraceServiceServicer):
         self.receiver = receiver
 
     def Export(self, request, context):  # noqa: N802 - the service's method name
-        self.receiver.record("grpc", spans=_span_names(request))
+        self.receiver.record("grpc", spans=_spans(request))
         return trace_pb.ExportTraceServiceResponse()
 
 
@@ -86,7 +89,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 self.send_error(415, "OTLP/HTTP here takes application/x-protobuf")
                 return
             if self.path == "/v1/traces":
-                receiver.record("http/protobuf", spans=_span_names(trace_pb.ExportTraceServiceRequest.FromString(body)))
+                receiver.record("http/protobuf", spans=_spans(trace_pb.ExportTraceServiceRequest.FromString(body)))
                 answer = trace_pb.ExportTraceServiceResponse()
             elif self.path == "/v1/metrics":
                 receiver.record("http/protobuf",

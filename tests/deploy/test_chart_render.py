@@ -190,6 +190,13 @@ def test_monitoring_on_renders_service_monitors_and_otlp():
     env = env_of(container(find(docs, "Deployment", ROUTER), "router"))
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_always_on" and "OTEL_TRACES_SAMPLER_ARG" not in env
+    sampled = render({"otel": {"endpoint": "http://collector:4318", "protocol": "http/protobuf",
+                               "sampler": "parentbased_traceidratio", "samplerArg": "0.1"}})
+    for kind, name, cname in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "replica")):
+        env = env_of(container(find(sampled, kind, name), cname))
+        assert (env["OTEL_EXPORTER_OTLP_PROTOCOL"], env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == (
+            "http/protobuf", "parentbased_traceidratio", "0.1"), name
     # Offline rendering has no monitoring.coreos.com/v1 API: "auto" renders none.
     assert not [d for d in render({}) if d["kind"] == "ServiceMonitor"]
 

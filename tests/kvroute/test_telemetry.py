@@ -98,3 +98,23 @@ def test_a_collector_that_never_answers_does_not_hold_the_stop(env, protocol):
         wait_for(lambda: accepted, what="the exporter connected to the silent collector", timeout=5)
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize(("sampler", "arg", "kept"), [
+    ("parentbased_always_on", "", 20), ("always_off", "", 0), ("traceidratio", "0", 0), ("traceidratio", "1", 20),
+])
+def test_the_sampler_variables_take_effect(env, sampler, arg, kept):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    env.setenv("OTEL_TRACES_SAMPLER", sampler)
+    if arg:
+        env.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    else:
+        env.delenv("OTEL_TRACES_SAMPLER_ARG", raising=False)
+    spans = InMemorySpanExporter()
+    telemetry = setup_telemetry("kvroute-sampled", otlp=False, span_exporters=[spans])
+    for i in range(20):
+        with telemetry.tracer("kvroute.test").start_as_current_span(f"request-{i}"):
+            pass
+    telemetry.shutdown()
+    assert len(spans.get_finished_spans()) == kept

@@ -148,6 +148,12 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
 {{- end }}
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.namespace={{ include "kvroute.namespace" $ }}"
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $.Values.otel.sampler | quote }}
+{{- with $.Values.otel.samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
