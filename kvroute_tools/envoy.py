@@ -63,8 +63,10 @@ ROUTING_TRAILERS = (MD_REPLICA, MD_PREDICTED)
 TRAILERS_PERCENT = 10  # generation calls whose response trailers reach the picker (prediction accuracy)
 TRAILERS_RUNTIME_KEY = "kvroute.picker_trailers_percent"
 # What the picker reads of the skipped request headers, as ext_proc request attributes (CEL), the
-# names router.picker.protocol looks up.
-REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']")
+# names router.picker.protocol looks up: the path and content type for the pick, the W3C trace
+# context for its span.
+REQUEST_ATTRIBUTES = ("request.path", "request.headers['content-type']", "request.headers['traceparent']",
+                      "request.headers['tracestate']")
 MAX_REQUEST_BYTES = 1 << 20  # the buffered body's bound: Envoy's default per-connection buffer limit
 TOO_LARGE_MESSAGE = (f"request body is over Envoy's limit of {MAX_REQUEST_BYTES} bytes (the gateway buffers the"
                      " body for the endpoint picker); send a shorter prompt")

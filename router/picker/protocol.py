@@ -35,6 +35,9 @@ ROUTING_NAMESPACE = "kvroute.routing"
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 PATH_ATTRIBUTE = "request.path"
 CONTENT_TYPE_ATTRIBUTE = "request.headers['content-type']"
+# The caller's W3C trace context, for the pick's span (absent when the caller sent none).
+TRACE_HEADERS = ("traceparent", "tracestate")
+TRACE_ATTRIBUTES = {f"request.headers['{name}']": name for name in TRACE_HEADERS}
 
 
 def header_map(headers: ext_pb.HttpHeaders | ext_pb.HttpTrailers | None,
@@ -64,6 +67,16 @@ def path_and_content_type(msg: ext_pb.ProcessingRequest) -> tuple[str, str]:
     path = fields[PATH_ATTRIBUTE].string_value if PATH_ATTRIBUTE in fields else ""
     content_type = fields[CONTENT_TYPE_ATTRIBUTE].string_value if CONTENT_TYPE_ATTRIBUTE in fields else ""
     return path, content_type
+
+
+def trace_headers(msg: ext_pb.ProcessingRequest) -> dict[str, str]:
+    """The W3C trace headers the gateway sent as request attributes (``{"traceparent": ...}``)."""
+    attrs = msg.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is None:
+        return {}
+    fields = attrs.fields
+    return {name: fields[attr].string_value for attr, name in TRACE_ATTRIBUTES.items()
+            if attr in fields and fields[attr].string_value}
 
 
 def subset_hint(metadata: core_pb.Metadata) -> list[str] | None:

@@ -41,24 +41,31 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
 from kvroute.heartbeat import ENGINE_KVROUTE, ENGINE_VLLM
 from kvroute.openai_api import error_response
 from kvroute.prompt import InvalidRequestError, UnknownModelError
 from kvroute.responses import MD_CACHED_TOKENS, MD_PREDICTED, MD_REPLICA
+from kvroute.telemetry import ATTR_INPUT_TOKENS, ATTR_OPERATION, ATTR_REPLICA, set_span_error
 from router.core import Decision
 from router.load import Ticket
 from router.picker import protocol
 from router.picker.requests import OPENAI_CHAT, generate_request, is_generation, is_grpc
 from router.routing import NoReplicaError, QueuesFullError, RoutingService, classify_error
+from router.telemetry import ATTR_PREDICTED
 
 log = logging.getLogger(__name__)
 
-_REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
+# What the pick reads of the request headers (the trace context for its span).
+_REQUEST_HEADERS = frozenset({":path", "content-type", *protocol.TRACE_HEADERS})
+PICK_SPAN = "kvroute.pick"
 _TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
 
@@ -75,9 +82,11 @@ class _Call:
     picked_at: float = 0.0  # wall clock (Unix seconds), against the heartbeats' ``written_at``
     cached_tokens: int | None = None
     status: str = ""  # the call's final grpc-status name, or the picker's refusal
+    refusal: str = ""  # the refusal's message
     answered_trailers: bool = False  # nothing more will come: the stream can end
     over_limit: bool = False  # opened past the picker's max_calls: refused at its pick
     operation: str = "text_completion"
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the caller's traceparent / tracestate
 
     @property
     def grpc(self) -> bool:
@@ -94,10 +103,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         max_calls: calls in flight through the picker at most (``picker_streams``; None: no
             bound); the call past it is refused before any pick with RESOURCE_EXHAUSTED (HTTP 429)
             and a message naming the limit.
+        tracer: makes one SERVER span per pick (``kvroute.pick``: the replica chosen, the
+            predicted cached tokens, or the refusal), continuing the caller's W3C trace context,
+            which Envoy forwards unchanged to the replica: the replica's span is in the same trace.
+            None: no spans.
     """
 
-    def __init__(self, routing: RoutingService, *, fallbacks: int = 0, max_calls: int | None = None) -> None:
+    def __init__(self, routing: RoutingService, *, fallbacks: int = 0, max_calls: int | None = None,
+                 tracer: Any = None) -> None:
         self._routing = routing
+        self._tracer = tracer
         self._fallbacks = fallbacks
         self.max_calls = max_calls
         self._open = 0  # streams being served now (the pool's threads), under _lock
@@ -133,6 +148,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             headers = protocol.header_map(msg.request_headers, _REQUEST_HEADERS)
             call.path = headers.get(":path", "").split("?", 1)[0]
             call.content_type = headers.get("content-type", "")
+            call.trace_headers = {k: v for k, v in headers.items() if k in protocol.TRACE_HEADERS}
             if msg.request_headers.end_of_stream or not is_generation(call.path):
                 return self._pick(call, msg, None, on_headers=True)  # no prompt: any routable replica
             return protocol.continue_headers()
@@ -142,6 +158,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if not call.path:  # the headers message was skipped: what the pick needs came along
                 path, call.content_type = protocol.path_and_content_type(msg)
                 call.path = path.split("?", 1)[0]
+                call.trace_headers = protocol.trace_headers(msg)
             return self._pick(call, msg, msg.request_body.body if is_generation(call.path) else None,
                               on_headers=False)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
@@ -155,6 +172,23 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     # -- the pick ----------------------------------------------------------------------------------
     def _pick(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None, *,
               on_headers: bool) -> ext_pb.ProcessingResponse:
+        if self._tracer is None:
+            return self._decide(call, msg, body, on_headers=on_headers)
+        span = self._tracer.start_span(PICK_SPAN, context=propagate.extract(call.trace_headers), kind=SpanKind.SERVER)
+        try:
+            return self._decide(call, msg, body, on_headers=on_headers)
+        finally:
+            d = call.decision
+            span.set_attribute(ATTR_OPERATION, call.operation)
+            if d is not None and d.picked is not None and not call.status:
+                span.set_attributes({ATTR_REPLICA: d.picked.replica_id, ATTR_PREDICTED: d.predicted_cached_tokens,
+                                     ATTR_INPUT_TOKENS: d.prompt_tokens})
+            if call.status:
+                set_span_error(span, (call.status, call.refusal))
+            span.end()
+
+    def _decide(self, call: _Call, msg: ext_pb.ProcessingRequest, body: bytes | None, *,
+                on_headers: bool) -> ext_pb.ProcessingResponse:
         subset = protocol.subset_hint(msg.metadata_context)
         if call.over_limit:
             return self._refuse(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -202,7 +236,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def _refuse(self, call: _Call, code: grpc.StatusCode, message: str) -> ext_pb.ProcessingResponse:
         """The ImmediateResponse of a call the picker does not route: gRPC callers get ``code``,
         HTTP (OpenAI) callers the OpenAI error JSON with its HTTP status."""
-        call.status = code.name
+        call.status, call.refusal = code.name, message
         http_status, body = error_response(code.name, message, chat=call.path == OPENAI_CHAT)
         if call.grpc:
             return protocol.immediate(http_status, code, message)

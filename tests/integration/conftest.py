@@ -25,3 +25,12 @@ def pki(tmp_path_factory):
     ca, other = TestCA(folder, "kvroute-test-ca"), TestCA(folder, "other-ca")
     return {"ca": str(ca.file), "other_ca": str(other.file), "replica": ca.issue("replica"),
             "router": ca.issue("router"), "client": ca.issue("client"), "stranger": other.issue("stranger")}
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """A real OTLP receiver, gRPC and HTTP (tests.support_otlp), for one module."""
+    from tests.support_otlp import OtlpReceiver
+
+    with OtlpReceiver() as r:
+        yield r

@@ -19,16 +19,9 @@ from replica.settings import ReplicaSettings
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import wait_for
-from tests.support_otlp import OtlpReceiver
 
 T = 30.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    with OtlpReceiver() as r:
-        yield r
 
 
 @pytest.fixture(scope="module")
