@@ -312,7 +312,7 @@ def test_the_bootstrap_names_what_the_picker_reads():
     from router.picker import protocol
 
     assert (envoy.DESTINATION_HEADER, envoy.LB_NAMESPACE) == (protocol.DESTINATION_HEADER, protocol.LB_NAMESPACE)
-    assert envoy.REQUEST_ATTRIBUTES == (protocol.PATH_ATTRIBUTE, protocol.CONTENT_TYPE_ATTRIBUTE, *protocol.TRACE_ATTRIBUTES)
+    assert (protocol.PATH_ATTRIBUTE, protocol.CONTENT_TYPE_ATTRIBUTE, *protocol.TRACE_ATTRIBUTES) == envoy.REQUEST_ATTRIBUTES
 
 
 def test_an_openai_call_through_envoy_needs_a_vllm_replica(envoy, router):
