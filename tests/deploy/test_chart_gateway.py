@@ -60,7 +60,9 @@ def crd_errors(doc: dict, file_name: str) -> list[str]:
     return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-POOL_CRD = "inference.networking.k8s.io_inferencepools.yaml"
+POOL_CRDS = {"v1.0": "inference.networking.k8s.io_inferencepools.v1.0.0.yaml",  # the first v1 API
+             "v1.6": "inference.networking.k8s.io_inferencepools.v1.6.0.yaml"}  # the latest release
+POOL_CRD = POOL_CRDS["v1.6"]
 ROUTE_CRD = "gateway.networking.k8s.io_httproutes.yaml"
 
 
@@ -253,6 +255,22 @@ def test_the_inference_pool_validates_against_the_published_crd_and_selects_the_
     rc = container(router, "router")
     assert {"name": "picker", "containerPort": 9002, "protocol": "TCP"} in rc["ports"]
     assert {"name": "KVROUTE_PICKER_PORT", "value": "9002"} in rc["env"]
+
+
+@pytest.mark.parametrize("engine", ["kvroute", "vllm"])
+@pytest.mark.parametrize("version", sorted(POOL_CRDS))
+def test_the_inference_pool_validates_against_the_crd_of_the_gie_release_the_values_name(version, engine):
+    values = {**POOL_MODE, "gateway": {"mode": "inferencePool", "inferencePool": {"version": version}},
+              "replica": {"engine": engine}, "router": {"discovery": "redis"}}
+    pool = find(render(values), "InferencePool", FULLNAME)
+    assert crd_errors(pool, POOL_CRDS[version]) == []
+    # appProtocol is v1.4's: v1.0's CRD refuses it (strict fields), so it is only there from v1.4,
+    # for the kvroute engine's gRPC; the NOTES warn where a gRPC pool has none.
+    grpc_pool = engine == "kvroute" and version >= "v1.4"
+    assert ("appProtocol" in pool["spec"]) == grpc_pool
+    assert ("has no appProtocol" in notes(values)) == (engine == "kvroute" and not grpc_pool)
+    with_field = {**pool, "spec": {**pool["spec"], "appProtocol": "kubernetes.io/h2c"}}
+    assert (crd_errors(with_field, POOL_CRDS[version]) == []) == (version >= "v1.4")
 
 
 def test_the_crd_check_rejects_what_the_api_server_would():
