@@ -91,7 +91,8 @@ def test_every_kvroute_variable_is_a_setting_the_program_reads(case):
 def test_defaults_render_the_whole_release():
     docs = render({})
     assert kinds(docs) == sorted([
-        ("ConfigMap", f"{FULLNAME}-dashboard"), ("Deployment", ROUTER), ("PodDisruptionBudget", ROUTER),
+        ("ConfigMap", f"{FULLNAME}-dashboard"), ("Deployment", ROUTER), ("PodDisruptionBudget", REPLICA),
+        ("PodDisruptionBudget", ROUTER),
         ("Pod", f"{FULLNAME}-test-health"), ("Role", ROUTER), ("RoleBinding", ROUTER), ("Secret", REDIS),
         ("Service", REDIS), ("Service", REPLICA), ("Service", ROUTER), ("ServiceAccount", ROUTER),
         ("StatefulSet", REDIS), ("StatefulSet", REPLICA),
@@ -275,6 +276,39 @@ def test_tls_http_and_metrics_serve_https_and_the_service_monitors_scrape_it_wit
     # Off unless asked: tls.enabled alone keeps the HTTP and metrics ports plaintext.
     env = env_of(container(find(render(MATRIX["tls-mutual"]), "Deployment", ROUTER), "router"))
     assert "KVROUTE_HTTP_TLS" not in env and "KVROUTE_METRICS_TLS" not in env
+
+
+def test_disruption_budgets_cover_routers_replicas_and_envoy_and_select_their_pods():
+    docs = render({"gateway": {"mode": "envoy"}, "router": {"discovery": "kubernetes"}})
+    budgets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    envoy = f"{FULLNAME}-envoy"
+    assert budgets[ROUTER]["minAvailable"] == 1 and budgets[envoy]["minAvailable"] == 1
+    assert budgets[REPLICA]["maxUnavailable"] == 1 and "minAvailable" not in budgets[REPLICA]
+    for name, kind in ((ROUTER, "Deployment"), (REPLICA, "StatefulSet"), (envoy, "Deployment")):
+        pod_labels = find(docs, kind, name)["spec"]["template"]["metadata"]["labels"]
+        assert budgets[name]["selector"]["matchLabels"].items() <= pod_labels.items(), name
+    custom = render({"replica": {"podDisruptionBudget": {"minAvailable": "75%"}}})
+    assert find(custom, "PodDisruptionBudget", REPLICA)["spec"]["minAvailable"] == "75%"
+    off = render({"replica": {"podDisruptionBudget": {"enabled": False}}, "router": {"podDisruptionBudget": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "PodDisruptionBudget"]
+
+
+def test_the_documented_gitops_values_render_the_same_manifests_every_time():
+    from tests.deploy.chart import _rendered
+
+    def twice(values: dict) -> tuple[dict, dict]:  # two real renders (render() caches one per values)
+        text = json.dumps(values, sort_keys=True)
+        first = _rendered(text)
+        _rendered.cache_clear()
+        return first, _rendered(text)
+
+    gitops = {"redis": {"auth": {"existingSecret": "redis-creds"}}, "metrics": {"serviceMonitor": {"enabled": True}}}
+    first, second = twice(gitops)
+    assert first == second
+    assert "kind: ServiceMonitor" in "".join(first.values()) and "kind: Secret" not in "".join(first.values())
+    # Without them the generated Redis password changes on every offline render (docs/kubernetes.md).
+    first, second = twice({})
+    assert first != second
 
 
 def test_every_replica_setting_is_reachable_from_values():
