@@ -53,6 +53,9 @@ MATRIX = {
     "gateway-inference-pool": {"gateway": {"mode": "inferencePool"}, "router": {"discovery": "redis"}},
     "tls": {"tls": {"enabled": True, "existingSecret": "kvr-tls"}, "router": {"discovery": "static"}},
     "tls-mutual": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
+    "network-policy": {"networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]}, "replica": {"priorityClassName": "gpu-serving"},
+                       "router": {"priorityClassName": "kvroute-critical"}},
     "tls-everywhere": {"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True, "http": True, "metrics": True},
                        "gateway": {"mode": "envoy"}, "metrics": {"serviceMonitor": {"enabled": True}}},
     "vllm-replicas": {"replica": {"engine": "vllm", "vllm": {"extraArgs": ["--max-model-len", "4096"]}}},
@@ -165,6 +168,44 @@ def test_external_redis_uses_the_existing_secret_and_the_ca_and_runs_no_redis():
         assert env["KVROUTE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-creds", "key": "password"}}
         assert env["KVROUTE_REDIS_CA_FILE"] == "/etc/kvroute/redis-ca/ca.pem"
         assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in pod_spec(w)["volumes"]
+
+
+def test_the_gpu_resource_name_is_the_operators_and_one_engine_gets_one_gpu():
+    from tests.deploy.chart import helm
+
+    docs = render({"replica": {"gpuResourceName": "amd.com/gpu"}})
+    replica = find(docs, "StatefulSet", REPLICA)
+    assert container(replica, "replica")["resources"]["limits"]["amd.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in json.dumps(replica)
+    assert {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(replica)["tolerations"]
+    with pytest.raises(helm.HelmRenderError) as err:  # two GPUs, of which kvroute's engine would use one
+        render({"replica": {"gpu": 2}})
+    assert "replica.gpu: 2, but kvroute's engine runs on one GPU" in str(err.value)
+    vllm = find(render({"replica": {"engine": "vllm", "gpu": 2}}), "StatefulSet", REPLICA)  # tensor parallel
+    assert container(vllm, "vllm")["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
+def test_network_policies_admit_only_the_releases_own_parts_and_the_named_peers():
+    docs = render(MATRIX["network-policy"])
+    part = lambda component: {"podSelector": {"matchLabels": {  # noqa: E731
+        "app.kubernetes.io/name": "kvroute", "app.kubernetes.io/instance": "kvr", "app.kubernetes.io/component": component}}}
+    replicas = find(docs, "NetworkPolicy", REPLICA)["spec"]
+    assert replicas["podSelector"]["matchLabels"] == part("replica")["podSelector"]["matchLabels"]
+    serving, metrics = replicas["ingress"]
+    assert serving["from"] == [part("router"), part("envoy")] and serving["ports"] == [{"port": 50051}]
+    assert metrics == {"ports": [{"port": 9090}], "from": MATRIX["network-policy"]["networkPolicy"]["metricsFrom"]}
+    [redis] = find(docs, "NetworkPolicy", REDIS)["spec"]["ingress"]
+    assert redis == {"from": [part("router"), part("replica")], "ports": [{"port": 6379}]}
+    # Each policy selects pods that exist with those labels.
+    for kind, name, component in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "replica"),
+                                  ("StatefulSet", REDIS, "redis")):
+        labels = find(docs, kind, name)["spec"]["template"]["metadata"]["labels"]
+        assert part(component)["podSelector"]["matchLabels"].items() <= labels.items(), name
+    assert not [d for d in render({}) if d["kind"] == "NetworkPolicy"]
+    # The priority classes reach the pods.
+    assert pod_spec(find(docs, "StatefulSet", REPLICA))["priorityClassName"] == "gpu-serving"
+    assert pod_spec(find(docs, "Deployment", ROUTER))["priorityClassName"] == "kvroute-critical"
+    assert "priorityClassName" not in pod_spec(find(render({}), "StatefulSet", REPLICA))
 
 
 def test_cpu_replicas_request_no_gpu_and_run_on_cpu():

@@ -397,3 +397,16 @@ client certificate of ca.crt. */}}
 {{- $_ = set $sr "clusters" (append (index $sr "clusters") $admin) }}
 {{- toPrettyJson $b }}
 {{- end }}
+
+{{/* The replica container's resources: replica.resources with replica.gpu devices of
+replica.gpuResourceName (the device plugin's resource: nvidia.com/gpu, amd.com/gpu, ...) added to
+the limits. */}}
+{{- define "kvroute.replica.resources" -}}
+{{- $res := deepCopy .Values.replica.resources }}
+{{- if gt (int .Values.replica.gpu) 0 }}
+{{- $limits := default dict $res.limits }}
+{{- $_ := set $limits .Values.replica.gpuResourceName (int .Values.replica.gpu) }}
+{{- $_ := set $res "limits" $limits }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}

@@ -72,13 +72,7 @@ beside it, which writes vLLM's events, load and address to Redis as a kvroute re
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
-    {{- $res := deepCopy .Values.replica.resources }}
-    {{- if gt (int .Values.replica.gpu) 0 }}
-    {{- $limits := default dict $res.limits }}
-    {{- $_ := set $limits "nvidia.com/gpu" (int .Values.replica.gpu) }}
-    {{- $_ := set $res "limits" $limits }}
-    {{- end }}
-    {{- toYaml $res | nindent 4 }}
+    {{- include "kvroute.replica.resources" . | nindent 4 }}
   volumeMounts:
     {{- include "kvroute.modelMount" . | nindent 4 }}
     - name: dshm
