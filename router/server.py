@@ -215,11 +215,13 @@ class RouterServer:
         self._ready_task = asyncio.create_task(self._become_ready())
         log.info(
             "router %s: gRPC on %s:%d, policy %s, %s discovery, Redis %s namespace %s, tokenizer of %s,"
-            " hashing %s [%s], index loops %s, %s, SetPolicy %s",
+            " hashing %s [%s], index loops %s, %s, replicas dialed %s, SetPolicy %s",
             self.router_id, s.host, self.port, s.policy, s.discovery, redact(s.redis_url), s.namespace,
             self.tokenizer.model_name, s.hash_algorithm, self.router.hasher.implementation,
             "compiled" if index_module._index is not None else "Python (router._index not built)",
             ("mTLS" if s.tls_client_ca_file else "TLS") if server_tls else "plaintext",
+            ("over TLS" + (f" (certificates checked against {s.replica_tls_server_name})"
+                           if s.replica_tls_server_name else "")) if replica_tls else "in plaintext",
             "with the admin token" if admin_token else "off",
         )
         if self._picker is not None:

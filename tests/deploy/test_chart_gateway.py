@@ -315,3 +315,15 @@ def test_notes_name_the_front_of_each_mode():
     assert f"port-forward svc/{ENVOY} 8080:8080" in notes(ENVOY_MODE)
     text = notes(POOL_MODE)
     assert f"InferencePool {FULLNAME}" in text and "Gateway inference-gateway" in text
+
+
+def test_notes_give_the_tls_flags_for_envoys_tls_listener_and_https_for_the_http_api():
+    text = notes({**ENVOY_MODE, "tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}})
+    assert "Envoy's listener serves TLS and requires a client certificate" in text
+    assert (f"kvroute generate --target 127.0.0.1:8080 --tls-ca-file ca.crt --tls-cert-file tls.crt"
+            f" --tls-key-file tls.key --tls-server-name {ROUTER}") in text
+    assert "-plaintext" not in text
+    text = notes({"tls": {"enabled": True, "existingSecret": "kvr-tls", "http": True}})
+    assert (f"curl --cacert ca.crt --connect-to {ROUTER}:8000:127.0.0.1:8000 https://{ROUTER}:8000/v1/models"
+            in text) and "curl http://" not in text
+    assert "curl http://127.0.0.1:8000/v1/models" in notes({"tls": {"enabled": True, "existingSecret": "kvr-tls"}})
