@@ -24,6 +24,9 @@ COPY kvroute_tools/ kvroute_tools/
 COPY replica/__init__.py replica/__init__.py
 COPY replica/bridge/ replica/bridge/
 COPY replica/publisher/ replica/publisher/
+# The default model's generator, for the chart's init container (`resolve_model --tokenizer-only`:
+# the tokenizer and config without weights; torch is not installed here and not imported).
+COPY replica/model/ replica/model/
 RUN pip install ".[router,bridge]"
 
 # -- runtime: the virtualenv alone, as a non-root user -------------------------------------------------

@@ -11,7 +11,8 @@ intermediate 688, max positions 8192, float32), ``generation_config.json``, ``mo
 ``tokenizer.json`` (byte-level BPE trained with ``tokenizers`` on the built-in text below, plus
 Llama-3-style special tokens; a post-processor adds BOS), ``tokenizer_config.json`` (with a
 Llama-3-style chat template). It loads unchanged in transformers' ``LlamaForCausalLM`` and
-``AutoTokenizer``.
+``AutoTokenizer``. ``weights=False`` writes every file but ``model.safetensors``, without torch:
+what a router needs (it tokenizes and hashes, never runs the model), e.g. in the router image.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save as save_safetensors
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvroute.model_folder import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 from kvroute.prompt import DEFAULT_MODEL_DIRNAME as DEFAULT_MODEL_DIRNAME
 
 # DEFAULT_MODEL_DIRNAME is the contract's (kvroute.prompt): the router finds the default model by it.
@@ -114,7 +116,7 @@ Then he sat by the window with a cup of tea and watched the lights of the ships 
 """
 
 
-def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
+def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED, *, weights: bool = True) -> Path:
     """Return ``path``, generating the default model there first unless a model is already there.
 
     A folder that already has ``config.json`` is taken as is, unless it holds an earlier revision
@@ -123,6 +125,9 @@ def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
     temporary sibling folder and renamed into place, so readers never see half a model; when
     ``path`` is an existing directory (say, an empty volume mount, which can't be renamed over) the
     files are written into it one by one, each atomically, ``config.json`` last.
+
+    ``weights=False``: the same files without ``model.safetensors`` (no torch imported), for a
+    router's own folder; never give such a folder to a replica.
 
     Raises:
         ModelLoadError: ``path`` is a file, or a directory that holds other files but no
@@ -133,7 +138,7 @@ def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
         return path
     if path.exists() and not path.is_dir():
         raise ModelLoadError(f"default model path {path} exists and is not a directory", path=path)
-    files = build_default_model_files(seed)
+    files = build_default_model_files(seed, weights=weights)
     if path.is_dir():
         others = sorted(p.name for p in path.iterdir() if p.name not in files and not p.name.startswith("."))
         if others:
@@ -162,8 +167,9 @@ def ensure_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
     return path
 
 
-def build_default_model_files(seed: int = DEFAULT_SEED) -> dict[str, bytes]:
-    """The default model's files, name -> content; identical bytes for identical ``seed``.
+def build_default_model_files(seed: int = DEFAULT_SEED, *, weights: bool = True) -> dict[str, bytes]:
+    """The default model's files, name -> content; identical bytes for identical ``seed``
+    (``weights=False``: all but ``model.safetensors``, and torch is not imported).
 
     Randomness comes only from a private ``torch.Generator`` seeded with ``seed`` (the global
     torch RNG is neither read nor reseeded); BPE training is deterministic.
@@ -186,14 +192,18 @@ def build_default_model_files(seed: int = DEFAULT_SEED) -> dict[str, bytes]:
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "chat_template": CHAT_TEMPLATE,
     }
-    weights = _random_weights(vocab_size, [ids[t] for t in SPECIAL_TOKENS], seed)
-    return {
+    files = {
         "config.json": _json_bytes(config),
         "generation_config.json": _json_bytes(generation_config),
-        "model.safetensors": save_safetensors(weights, metadata={"format": "pt"}),
         "tokenizer.json": tokenizer.to_str(pretty=True).encode("utf-8"),
         "tokenizer_config.json": _json_bytes(tokenizer_config),
     }
+    if weights:
+        from safetensors.torch import save as save_safetensors
+
+        tensors = _random_weights(vocab_size, [ids[t] for t in SPECIAL_TOKENS], seed)
+        files["model.safetensors"] = save_safetensors(tensors, metadata={"format": "pt"})
+    return dict(sorted(files.items()))
 
 
 def _config(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -262,6 +272,8 @@ def build_tokenizer() -> Tokenizer:
 
 
 def _random_weights(vocab_size: int, special_ids: list[int], seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     head_dim = HIDDEN_SIZE // NUM_HEADS
 

@@ -170,6 +170,16 @@ def test_external_redis_uses_the_existing_secret_and_the_ca_and_runs_no_redis():
         assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in pod_spec(w)["volumes"]
 
 
+def test_the_routers_init_container_writes_the_tokenizer_with_the_router_image_not_the_replicas():
+    docs = render({})
+    router_init = pod_spec(find(docs, "Deployment", ROUTER))["initContainers"][0]
+    replica_init = pod_spec(find(docs, "StatefulSet", REPLICA))["initContainers"][0]
+    assert router_init["image"] == container(find(docs, "Deployment", ROUTER), "router")["image"]
+    assert router_init["command"][-3:] == ["--tokenizer-only", "", "/models"]
+    assert replica_init["image"] == container(find(docs, "StatefulSet", REPLICA), "replica")["image"]
+    assert "--tokenizer-only" not in replica_init["command"]
+
+
 def test_the_gpu_resource_name_is_the_operators_and_one_engine_gets_one_gpu():
     from tests.deploy.chart import helm
 

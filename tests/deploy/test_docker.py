@@ -135,9 +135,11 @@ def test_the_router_image_installs_the_router_and_bridge_extras_and_no_torch():
     runs = " ".join(v for s in all_stages for i, v in s.instructions if i == "RUN")
     assert re.search(r'pip install "\.\[router,bridge\]"', runs)
     assert "torch" not in runs
-    # Of replica/, only what `kvroute bridge` runs: the package marker, the bridge, the Redis publisher.
+    # Of replica/, only what `kvroute bridge` runs (the package marker, the bridge, the Redis
+    # publisher) and the default model's generator the chart's router init container runs
+    # (`resolve_model --tokenizer-only`, torch-free: tests/router/test_no_torch.py).
     assert sorted(c for c in copy_sources(all_stages) if c.startswith("replica")) == [
-        "replica/__init__.py", "replica/bridge/", "replica/publisher/"]
+        "replica/__init__.py", "replica/bridge/", "replica/model/", "replica/publisher/"]
 
 
 def test_the_replica_image_is_cuda_torch_on_the_cuda_runtime_with_flash_attn_as_a_build_argument():

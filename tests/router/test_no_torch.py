@@ -51,3 +51,24 @@ def test_a_running_router_started_from_the_cli_has_imported_neither_torch_nor_th
                 proc.communicate()
     assert proc.returncode == 0, out
     assert "IMPORTED []" in out.splitlines(), out
+
+
+def test_the_routers_default_model_folder_is_written_without_torch_and_tokenizes_as_the_replicas(
+        tmp_path, default_model_dir):
+    """``resolve_model --tokenizer-only`` (the chart's router init container, in the router image,
+    which has no torch): torch and safetensors blocked, it writes the default model's files but the
+    weights, byte for byte the replicas' own."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None; "
+            "from kvroute_tools.resolve_model import main; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code, "--tokenizer-only", "", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / default_model_dir.name
+    assert done.stdout.strip().splitlines()[-1] == str(folder)
+    full = {p.name for p in default_model_dir.iterdir() if not p.name.startswith(".")}
+    assert {p.name for p in folder.iterdir()} == full - {"model.safetensors"}
+    for name in full - {"model.safetensors"}:
+        assert (folder / name).read_bytes() == (default_model_dir / name).read_bytes(), name
+    refused = subprocess.run([sys.executable, "-m", "kvroute_tools.resolve_model", "--tokenizer-only", "some/model",
+                              str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "the model must be" in refused.stderr

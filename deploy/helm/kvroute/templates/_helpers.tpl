@@ -300,16 +300,21 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
 
 {{/* The init container that generates the default model (model.source generate). */}}
 {{- define "kvroute.generateModelInit" -}}
-{{- if eq .Values.replica.model.source "generate" }}
+{{- $ := .ctx }}
+{{- if eq $.Values.replica.model.source "generate" }}
+{{- /* The routers only tokenize: their own image writes the folder without weights or torch,
+instead of pulling the (CUDA) replica image. */}}
+{{- $router := eq .component "router" }}
+{{- $image := ternary $.Values.router.image $.Values.replica.image $router }}
 - name: generate-model
-  image: {{ include "kvroute.image" (dict "ctx" . "image" .Values.replica.image) }}
-  imagePullPolicy: {{ .Values.replica.image.pullPolicy }}
-  command: ["python", "-m", "kvroute_tools.resolve_model", "", "/models"]
+  image: {{ include "kvroute.image" (dict "ctx" $ "image" $image) }}
+  imagePullPolicy: {{ $image.pullPolicy }}
+  command: {{ concat (list "python" "-m" "kvroute_tools.resolve_model") (ternary (list "--tokenizer-only") list $router) (list "" "/models") | toJson }}
   env:
     - name: HOME
       value: /tmp
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- toYaml $.Values.securityContext | nindent 4 }}
   resources:
     requests:
       cpu: 100m
