@@ -5,8 +5,12 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# CPU torch, pinned: a looser spec pulls a multi-GB CUDA build (GPU users: pip install -e '.[replica,gpu,tools]').
+# Torch, pinned. Which build that is depends on the index: PyPI's torch==2.13.0 for Linux x86_64 is
+# the CUDA build (several GB); for CPU only, take PyTorch's CPU index:
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (GPU users: pip install -e '.[replica,gpu,tools]' with their own torch).
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
 .PHONY: venv vllm run test test-vllm proto lint bench clean
@@ -24,7 +28,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_index.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q -e '.[replica,dev]'
 	touch $(STAMP)
 

