@@ -217,9 +217,8 @@ class OpenAIApp:
         traces (the span ends with the response: after the last SSE event when streamed)."""
         span = None
         if self.telemetry is not None and self.telemetry.tracing:
-            client = request.client
             span = start_http_span(self.telemetry.tracer("kvroute.http"), request.method, request.url.path,
-                                   request.url.scheme, request.headers, (client.host, client.port) if client else None)
+                                   request.url.scheme, request.headers, request.client.host if request.client else "")
         try:
             response = await self._respond(request, chat=chat, span=span)
         except BaseException:

@@ -297,7 +297,7 @@ def start_server_span(
 
 
 def start_http_span(tracer: trace.Tracer, method: str, route: str, scheme: str, headers: Mapping[str, str],
-                    peer: tuple[str, int] | None = None) -> trace.Span:
+                    client_address: str = "") -> trace.Span:
     """The SERVER span of one HTTP request, as OpenTelemetry's HTTP semantic conventions name and
     attribute it: ``"{method} {route}"``, ``http.request.method``, ``http.route``, ``url.path``,
     ``url.scheme``, ``user_agent.original``, ``client.address``; continuing the W3C trace context
@@ -307,20 +307,20 @@ def start_http_span(tracer: trace.Tracer, method: str, route: str, scheme: str, 
                                   "url.scheme": scheme}
     if "user-agent" in carrier:
         attributes["user_agent.original"] = carrier["user-agent"]
-    if peer is not None:
-        attributes["client.address"] = peer[0]
+    if client_address:
+        attributes["client.address"] = client_address
     return tracer.start_span(f"{method} {route}", context=propagate.extract(carrier), kind=SpanKind.SERVER,
                              attributes=attributes)
 
 
-def end_http_span(span: trace.Span, status: int, message: str = "") -> None:
+def end_http_span(span: trace.Span, status: int) -> None:
     """End an HTTP SERVER span with ``http.response.status_code``. Per the conventions a 5xx is an
     error (``error.type`` the status code, span status ERROR); a 4xx is the client's and leaves the
     status unset."""
     span.set_attribute("http.response.status_code", status)
     if status >= 500:
         span.set_attribute(ATTR_ERROR_TYPE, str(status))
-        span.set_status(Status(StatusCode.ERROR, message or str(status)))
+        span.set_status(Status(StatusCode.ERROR, str(status)))
     span.end()
 
 

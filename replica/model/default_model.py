@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvroute.model_folder import ModelLoadError
+from kvroute.prompt import DEFAULT_MODEL_DIRNAME as DEFAULT_MODEL_DIRNAME
 
 if TYPE_CHECKING:
     import torch
-from kvroute.prompt import DEFAULT_MODEL_DIRNAME as DEFAULT_MODEL_DIRNAME
 
 # DEFAULT_MODEL_DIRNAME is the contract's (kvroute.prompt): the router finds the default model by it.
 DEFAULT_SEED = 0

@@ -63,8 +63,7 @@ from router.telemetry import ATTR_PREDICTED
 
 log = logging.getLogger(__name__)
 
-# What the pick reads of the request headers (the trace context for its span).
-_REQUEST_HEADERS = frozenset({":path", "content-type", *protocol.TRACE_HEADERS})
+_REQUEST_HEADERS = frozenset({":path", "content-type"})  # what the pick reads of the request headers
 PICK_SPAN = "kvroute.pick"
 _TRAILERS = frozenset({"grpc-status", MD_CACHED_TOKENS})
 _COVERED_AFTER_S = 0.25  # a heartbeat written this long after a pick reflects the request's admission
@@ -86,7 +85,7 @@ class _Call:
     answered_trailers: bool = False  # nothing more will come: the stream can end
     over_limit: bool = False  # opened past the picker's max_calls: refused at its pick
     operation: str = "text_completion"
-    trace_headers: dict[str, str] = field(default_factory=dict)  # the caller's traceparent / tracestate
+    trace_headers: dict[str, str] | None = None  # the caller's traceparent / tracestate (read when tracing)
 
     @property
     def grpc(self) -> bool:
@@ -113,6 +112,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                  tracer: Any = None) -> None:
         self._routing = routing
         self._tracer = tracer
+        # The trace headers are decoded only for a span: no cost per call when nothing traces.
+        self._header_names = _REQUEST_HEADERS | set(protocol.TRACE_HEADERS) if tracer is not None else _REQUEST_HEADERS
         self._fallbacks = fallbacks
         self.max_calls = max_calls
         self._open = 0  # streams being served now (the pool's threads), under _lock
@@ -145,10 +146,11 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         """The answer to one message of the stream (the module docstring's table)."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            headers = protocol.header_map(msg.request_headers, _REQUEST_HEADERS)
+            headers = protocol.header_map(msg.request_headers, self._header_names)
             call.path = headers.get(":path", "").split("?", 1)[0]
             call.content_type = headers.get("content-type", "")
-            call.trace_headers = {k: v for k, v in headers.items() if k in protocol.TRACE_HEADERS}
+            if self._tracer is not None:
+                call.trace_headers = {k: v for k, v in headers.items() if k in protocol.TRACE_HEADERS}
             if msg.request_headers.end_of_stream or not is_generation(call.path):
                 return self._pick(call, msg, None, on_headers=True)  # no prompt: any routable replica
             return protocol.continue_headers()
@@ -158,7 +160,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if not call.path:  # the headers message was skipped: what the pick needs came along
                 path, call.content_type = protocol.path_and_content_type(msg)
                 call.path = path.split("?", 1)[0]
-                call.trace_headers = protocol.trace_headers(msg)
+                if self._tracer is not None:
+                    call.trace_headers = protocol.trace_headers(msg)
             return self._pick(call, msg, msg.request_body.body if is_generation(call.path) else None,
                               on_headers=False)
         if kind == "response_headers":  # a gateway configured to send them: the first bytes
@@ -174,7 +177,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
               on_headers: bool) -> ext_pb.ProcessingResponse:
         if self._tracer is None:
             return self._decide(call, msg, body, on_headers=on_headers)
-        span = self._tracer.start_span(PICK_SPAN, context=propagate.extract(call.trace_headers), kind=SpanKind.SERVER)
+        span = self._tracer.start_span(PICK_SPAN, context=propagate.extract(call.trace_headers or {}), kind=SpanKind.SERVER)
         try:
             return self._decide(call, msg, body, on_headers=on_headers)
         finally:
