@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from kvroute.telemetry import setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
 from kvroute_tools.envoy import EnvoyFront
-from replica.server import BackgroundReplica
-from replica.settings import ReplicaSettings
-from router.server import BackgroundRouter
-from router.settings import RouterSettings
-from tests.integration.test_http_spans import attributes, spans_of
+from tests.integration.test_http_spans import attributes, spans_of, traced_cluster
 from tests.integration.test_router_proxy import ids_request
-from tests.support import wait_for
 
 T = 30.0
 B = 16
@@ -30,22 +22,10 @@ B = 16
 
 @pytest.fixture(scope="module")
 def envoy(redis_server, default_model_dir, receiver, tmp_path_factory):
-    replica_telemetry = setup_telemetry("kvroute-replica", otlp=False, span_exporters=[
-        HttpSpanExporter(endpoint=f"{receiver.http_endpoint}/v1/traces")])
-    router_telemetry = setup_telemetry("kvroute-router", otlp=False, span_exporters=[
-        GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)])
-    replica = ReplicaSettings(host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="rep-picked",
-                              redis_url=redis_server.url, namespace="pick-spans", num_blocks=64, torch_threads=1,
-                              heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=2)
-    settings = RouterSettings(host="127.0.0.1", port=0, redis_url=redis_server.url, namespace="pick-spans",
-                              model=str(default_model_dir), heartbeat_poll_interval=0.1, picker_port=0)
-    with BackgroundReplica(replica, telemetry=replica_telemetry), \
-            BackgroundRouter(settings, telemetry=router_telemetry) as r:
-        wait_for(lambda: len(r.server.registry.routable()) == 1, what="replica routable")
-        with EnvoyFront(r.target, picker_target=r.picker_target, folder=tmp_path_factory.mktemp("envoy")) as e:
-            yield e
-    router_telemetry.shutdown()
-    replica_telemetry.shutdown()
+    with traced_cluster(redis_server, default_model_dir, receiver, "picked", replica_over="http/protobuf",
+                        picker_port=0) as r, \
+            EnvoyFront(r.target, picker_target=r.picker_target, folder=tmp_path_factory.mktemp("envoy")) as e:
+        yield e
 
 
 def call(envoy, request: gen_pb.GenerateRequest, trace_id: str, parent: str) -> list[gen_pb.GenerateResponse]:

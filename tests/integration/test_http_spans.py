@@ -7,6 +7,8 @@ has its span too (status left unset, as the conventions say for a 4xx on a serve
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx2
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
@@ -24,23 +26,36 @@ T = 30.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
+@contextlib.contextmanager
+def traced_cluster(redis_server, model_dir, receiver, namespace: str, *, replica_over: str, **router_settings):
+    """One replica and one router, each exporting spans to ``receiver`` (the replica over
+    ``replica_over``, ``"grpc"`` or ``"http/protobuf"``, the router over the other), the replica
+    ``rep-<namespace>``; yields the BackgroundRouter once the replica is routable."""
+    grpc_exporter = GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)
+    http_exporter = HttpSpanExporter(endpoint=f"{receiver.http_endpoint}/v1/traces")
+    replica_exporter, router_exporter = ((grpc_exporter, http_exporter) if replica_over == "grpc"
+                                         else (http_exporter, grpc_exporter))
+    replica_telemetry = setup_telemetry("kvroute-replica", otlp=False, span_exporters=[replica_exporter])
+    router_telemetry = setup_telemetry("kvroute-router", otlp=False, span_exporters=[router_exporter])
+    replica = ReplicaSettings(host="127.0.0.1", port=0, model=str(model_dir), replica_id=f"rep-{namespace}",
+                              redis_url=redis_server.url, namespace=namespace, num_blocks=64, torch_threads=1,
+                              heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=2)
+    settings = RouterSettings(host="127.0.0.1", port=0, redis_url=redis_server.url, namespace=namespace,
+                              model=str(model_dir), heartbeat_poll_interval=0.1, **router_settings)
+    try:
+        with BackgroundReplica(replica, telemetry=replica_telemetry), \
+                BackgroundRouter(settings, telemetry=router_telemetry) as r:
+            wait_for(lambda: len(r.server.registry.routable()) == 1, what="replica routable")
+            yield r
+    finally:
+        router_telemetry.shutdown()
+        replica_telemetry.shutdown()
+
+
 @pytest.fixture(scope="module")
 def router(redis_server, default_model_dir, receiver):
-    replica_telemetry = setup_telemetry("kvroute-replica", otlp=False, span_exporters=[
-        GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)])
-    router_telemetry = setup_telemetry("kvroute-router", otlp=False, span_exporters=[
-        HttpSpanExporter(endpoint=f"{receiver.http_endpoint}/v1/traces")])
-    replica = ReplicaSettings(host="127.0.0.1", port=0, model=str(default_model_dir), replica_id="rep-traced",
-                              redis_url=redis_server.url, namespace="spans", num_blocks=64, torch_threads=1,
-                              heartbeat_interval=0.2, heartbeat_ttl=5.0, max_num_seqs=2)
-    settings = RouterSettings(host="127.0.0.1", port=0, redis_url=redis_server.url, namespace="spans",
-                              model=str(default_model_dir), heartbeat_poll_interval=0.1, http_port=0)
-    with BackgroundReplica(replica, telemetry=replica_telemetry), \
-            BackgroundRouter(settings, telemetry=router_telemetry) as r:
-        wait_for(lambda: len(r.server.registry.routable()) == 1, what="replica routable")
+    with traced_cluster(redis_server, default_model_dir, receiver, "traced", replica_over="grpc", http_port=0) as r:
         yield r
-    router_telemetry.shutdown()
-    replica_telemetry.shutdown()
 
 
 def attributes(span) -> dict:
