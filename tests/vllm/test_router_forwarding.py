@@ -112,7 +112,9 @@ def test_a_cancelled_call_is_aborted_at_vllm(router, vllm_server):
             gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=list(range(40, 100))), sampling=greedy(1500)),
             timeout=T)
         next(call)  # the first token: the request runs at vLLM
-        assert vllm_server.metric("vllm:num_requests_running") == 1
+        # vLLM refreshes its gauges from the engine's stats a step or more after the token streams.
+        wait_for(lambda: vllm_server.metric("vllm:num_requests_running") == 1, timeout=30.0,
+                 what="vLLM counts the request running")
         call.cancel()
     wait_for(lambda: vllm_server.metric("vllm:num_requests_running") == 0, timeout=30.0,
              what="vLLM aborted the cancelled request")
