@@ -180,6 +180,40 @@ def test_the_routers_init_container_writes_the_tokenizer_with_the_router_image_n
     assert "--tokenizer-only" not in replica_init["command"]
 
 
+IMAGE_REPOSITORIES = {"router": "ghcr.io/kvroute/kvroute-router", "replica": "ghcr.io/kvroute/kvroute-replica",
+                      "vllm": "docker.io/vllm/vllm-openai", "envoy": "docker.io/envoyproxy/envoy",
+                      "redis": "docker.io/library/redis"}
+
+
+def test_an_image_digest_pins_every_pod_that_runs_the_image_and_the_tag_is_ignored():
+    digest = {image: "sha256:" + hex_digit * 64 for image, hex_digit in zip(IMAGE_REPOSITORIES, "0a1b2", strict=True)}
+    pinned = lambda image: {"tag": "ignored", "digest": digest[image]}  # noqa: E731
+    values = {"router": {"image": pinned("router")}, "replica": {"image": pinned("replica"), "vllm": {"image": pinned("vllm")}},
+              "gateway": {"envoy": {"image": pinned("envoy")}}, "redis": {"image": pinned("redis")}}
+    # Which image each container runs: the kvroute engine in proxy mode, then vLLM replicas behind Envoy.
+    runs = {("Deployment", ROUTER, "generate-model"): "router", ("Deployment", ROUTER, "router"): "router",
+            ("StatefulSet", REPLICA, "generate-model"): "replica", ("StatefulSet", REPLICA, "replica"): "replica",
+            ("StatefulSet", REDIS, "redis"): "redis", ("Pod", f"{FULLNAME}-test-health", "health"): "router"}
+    vllm_runs = {("StatefulSet", REPLICA, "generate-model"): "replica", ("StatefulSet", REPLICA, "vllm"): "vllm",
+                 ("StatefulSet", REPLICA, "bridge"): "router", ("Deployment", f"{FULLNAME}-envoy", "envoy"): "envoy"}
+    vllm_behind_envoy = {**values, "gateway": {"mode": "envoy", "envoy": {"image": pinned("envoy")}},
+                         "replica": {**values["replica"], "engine": "vllm"}}
+    for case_values, expected in ((values, runs), (vllm_behind_envoy, vllm_runs)):
+        images = {}
+        for d in render(case_values):
+            if d["kind"] in ("Deployment", "StatefulSet", "Pod"):
+                spec = pod_spec(d)
+                images |= {(d["kind"], d["metadata"]["name"], c["name"]): c["image"]
+                           for c in spec.get("initContainers", []) + spec["containers"]}
+        assert {k: images[k] for k in expected} == {k: f"{IMAGE_REPOSITORIES[v]}@{digest[v]}" for k, v in expected.items()}
+        assert not [ref for ref in images.values() if "ignored" in ref or "@" not in ref], images  # none left unpinned
+    assert {*runs.values(), *vllm_runs.values()} == set(IMAGE_REPOSITORIES)
+    # Unset: repository:tag, kvroute's own images at the chart's appVersion.
+    docs = render({})
+    assert container(find(docs, "Deployment", ROUTER), "router")["image"] == "ghcr.io/kvroute/kvroute-router:0.1.0"
+    assert container(find(docs, "StatefulSet", REDIS), "redis")["image"] == "docker.io/library/redis:7.4-alpine"
+
+
 def test_the_gpu_resource_name_is_the_operators_and_one_engine_gets_one_gpu():
     from tests.deploy.chart import helm
 

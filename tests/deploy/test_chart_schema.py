@@ -58,3 +58,21 @@ def test_tls_enabled_without_its_secret_is_rejected_naming_the_key():
     assert "at '/tls/existingSecret'" in _rejection({"tls": {"enabled": True, "existingSecret": ""}})
     assert render({"tls": {"enabled": True, "existingSecret": "kvr-tls"}})
     assert "'mutal'" in _rejection({"tls": {"enabled": True, "existingSecret": "kvr-tls", "mutal": True}})
+
+
+def test_a_malformed_image_digest_is_rejected_naming_the_key():
+    good = "sha256:" + "0" * 64
+    for bad in ("sha256:abc", "sha256:" + "A" * 64, "0" * 64, "sha512:" + "0" * 128, f"@{good}"):
+        message = _rejection({"router": {"image": {"digest": bad}}})
+        assert f"at '/router/image/digest': '{bad}' does not match pattern" in message
+    for key, values in (("/gateway/envoy/image/digest", {"gateway": {"envoy": {"image": {"digest": "latest"}}}}),
+                        ("/replica/vllm/image/digest", {"replica": {"vllm": {"image": {"digest": "latest"}}}}),
+                        ("/redis/image/digest", {"redis": {"image": {"digest": "latest"}}})):
+        assert f"at '{key}'" in _rejection(values)
+    assert render({"router": {"image": {"digest": good}}, "replica": {"image": {"digest": ""}}})
+
+
+def test_a_third_party_image_without_a_tag_is_rejected_naming_the_key():
+    # Only kvroute's own images default an empty tag (to the chart's appVersion).
+    assert "at '/redis/image/tag': minLength" in _rejection({"redis": {"image": {"tag": ""}}})
+    assert "at '/replica/vllm/image/tag': minLength" in _rejection({"replica": {"vllm": {"image": {"tag": ""}}}})

@@ -52,9 +52,15 @@ app.kubernetes.io/part-of: kvroute
 {{- default (include "kvroute.router.name" .) .Values.router.serviceAccount.name }}
 {{- end }}
 
-{{/* An image reference: pass (dict "ctx" $ "image" .Values.router.image). */}}
+{{/* An image reference: pass (dict "ctx" $ "image" .Values.router.image). A digest pins the image
+and the tag is then ignored (repository@sha256:...); an empty tag is the chart's appVersion, which
+only kvroute's own images leave empty (the schema requires the others' tags). */}}
 {{- define "kvroute.image" -}}
+{{- if .image.digest -}}
+{{ .image.repository }}@{{ .image.digest }}
+{{- else -}}
 {{ .image.repository }}:{{ default .ctx.Chart.AppVersion .image.tag }}
+{{- end }}
 {{- end }}
 
 {{/* The Redis key namespace of the release. */}}
