@@ -78,6 +78,10 @@ ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 ATTR_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 ATTR_FINISH_REASONS = "gen_ai.response.finish_reasons"
 ATTR_ERROR_TYPE = "error.type"
+# Which part measured a latency point ("router": what a client sees; "replica"): a data-point
+# attribute, so it survives every path to Prometheus (scrape, OTLP receiver, collector), unlike
+# the scope name.
+ATTR_COMPONENT = "kvroute.component"
 
 # GenAI semantic conventions, "gen-ai-metrics": ExplicitBucketBoundaries of each histogram.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -333,6 +337,7 @@ def set_span_error(span: trace.Span, error: tuple[str, str]) -> None:
 
 __all__ = [
     "ATTR_CACHED_TOKENS",
+    "ATTR_COMPONENT",
     "ATTR_ERROR_TYPE",
     "ATTR_FINISH_REASONS",
     "ATTR_INPUT_TOKENS",

@@ -12,7 +12,7 @@ annotation unit ``{token}``, which adds no suffix) -> vLLM v1 equivalent:
 ================================================  ======================================================  ======================================
 ``kvroute.replica.prefix_cache.queries``          ``kvroute_replica_prefix_cache_queries_total``          ``vllm:prefix_cache_queries``
 ``kvroute.replica.prefix_cache.hits``             ``kvroute_replica_prefix_cache_hits_total``             ``vllm:prefix_cache_hits``
-``kvroute.replica.kv_cache.usage``                ``kvroute_replica_kv_cache_usage`` (0..1)               ``vllm:kv_cache_usage_perc``
+``kvroute.replica.kv_cache.usage_ratio``          ``kvroute_replica_kv_cache_usage_ratio`` (0..1)         ``vllm:kv_cache_usage_perc``
 ``kvroute.replica.requests.running``              ``kvroute_replica_requests_running``                    ``vllm:num_requests_running``
 ``kvroute.replica.requests.waiting``              ``kvroute_replica_requests_waiting``                    ``vllm:num_requests_waiting``
 ``kvroute.replica.preemptions``                   ``kvroute_replica_preemptions_total``                   ``vllm:num_preemptions``
@@ -32,7 +32,9 @@ annotation unit ``{token}``, which adds no suffix) -> vLLM v1 equivalent:
 Every point carries ``kvroute.replica_id`` (label ``kvroute_replica_id``), the label of the router's
 per-replica metrics too; vLLM's names have ``model_name`` and ``engine`` instead.
 The three ``gen_ai.server.*`` histograms use the GenAI semantic conventions' bucket boundaries and
-attributes (``gen_ai.operation.name``, ``gen_ai.request.model``, ``error.type`` on failures).
+attributes (``gen_ai.operation.name``, ``gen_ai.request.model``, ``error.type`` on failures), and
+``kvroute.component`` = ``replica`` (the router's carry ``router``): a point attribute, which every
+path to Prometheus keeps (the scope name does not survive all of them).
 ``gen_ai.client.token.usage`` is a *client* metric (the router records it); the replica does not.
 
 Spans. One SERVER span per call (``kvroute.v1.ReplicaService/GenerateStream``, ...), continuing the
@@ -55,6 +57,7 @@ from opentelemetry.trace import SpanKind
 
 from kvroute.telemetry import (
     ATTR_CACHED_TOKENS,
+    ATTR_COMPONENT,
     ATTR_ERROR_TYPE,
     ATTR_FINISH_REASONS,
     ATTR_INPUT_TOKENS,
@@ -167,7 +170,7 @@ class ReplicaMetrics:
             description="Prompt tokens served from the prefix cache, GPU or CPU tier (vllm:prefix_cache_hits)",
         )
         meter.create_observable_gauge(
-            "kvroute.replica.kv_cache.usage", [engine_value("kv_usage")], unit="1",
+            "kvroute.replica.kv_cache.usage_ratio", [engine_value("kv_usage")], unit="1",
             description="KV cache usage, 1 - free/(num_blocks - 1); cached free blocks count as free"
             " (vllm:kv_cache_usage_perc)",
         )
@@ -248,14 +251,15 @@ class ReplicaMetrics:
         else:
             outcome = "error"
         self.requests_finished.add(1, {**attrs, "finish_reason": outcome})
+        latency = {**attrs, ATTR_COMPONENT: "replica"}
         if error_type is not None:
-            self.duration.record(duration_s, {**attrs, ATTR_ERROR_TYPE: error_type})
+            self.duration.record(duration_s, {**latency, ATTR_ERROR_TYPE: error_type})
             return
-        self.duration.record(duration_s, attrs)
+        self.duration.record(duration_s, latency)
         if ttft_s is not None:
-            self.ttft.record(ttft_s, attrs)
+            self.ttft.record(ttft_s, latency)
             if completion_tokens > 1:
-                self.tpot.record((duration_s - ttft_s) / (completion_tokens - 1), attrs)
+                self.tpot.record((duration_s - ttft_s) / (completion_tokens - 1), latency)
 
 
 class RequestSpans:

@@ -199,8 +199,10 @@ class RouterServer:
         add_servicer(server, generation_pb2.DESCRIPTOR.services_by_name["GenerationService"], GenerationServicer(self.proxy))
         add_servicer(server, router_pb2.DESCRIPTOR.services_by_name["RouterService"], RouterServicer(self.routing, admin_token))
         if s.picker_port >= 0:  # its own port and server (router.picker.server); bound now, like HTTP
-            self._picker = PickerServer(EndpointPicker(self.routing, fallbacks=s.picker_fallbacks, tracer=tracer), s.host,
-                                        s.picker_port, server_tls, s.picker_streams)
+            picker = EndpointPicker(self.routing, fallbacks=s.picker_fallbacks, tracer=tracer)
+            self._picker = PickerServer(picker, s.host, s.picker_port, server_tls, s.picker_streams)
+            if self.metrics is not None:
+                self.metrics.observe_picker(picker)
             self.picker_port = self._picker.start()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -25,6 +25,8 @@ OpenTelemetry name -> Prometheus name (as the Prometheus exporter writes them) -
                                                (router.consumer_feed.REJECT_REASONS: hostile input)
 ``kvroute.router.replicas`` {``kvroute.state``}  ``kvroute_router_replicas``                             (none)
 ``kvroute.router.replicas.address_changes``    ``kvroute_router_replicas_address_changes_total``         (none)
+``kvroute.router.picker.streams``              ``kvroute_router_picker_streams`` (ext_proc streams open)  (none)
+``kvroute.router.picker.streams.limit``        ``kvroute_router_picker_streams_limit`` (picker_streams)  (none)
 ``kvroute.router.prediction.ratio``            ``kvroute_router_prediction_ratio`` (actual/predicted)    (none)
 ``kvroute.router.prediction.over``             ``kvroute_router_prediction_over_total``                  (none)
 ``kvroute.router.prediction.predicted_tokens`` ``kvroute_router_prediction_predicted_tokens_total``      (none)
@@ -45,7 +47,8 @@ stale or speculative index entry); the two token counters give the aggregate rat
 The ``gen_ai.*`` histograms are measured at the router (arrival -> first delta, arrival -> end, and
 the time per output token between them),
 with the GenAI semantic conventions' buckets and attributes (``gen_ai.operation.name``,
-``gen_ai.request.model``, ``error.type`` on failures).
+``gen_ai.request.model``, ``error.type`` on failures), and ``kvroute.component`` = ``router`` (the
+replicas' carry ``replica``).
 
 Spans. One SERVER span per call (``kvroute.v1.GenerationService/GenerateStream``, ...) continuing
 the caller's W3C context, with one CLIENT span per upstream attempt
@@ -65,6 +68,7 @@ from opentelemetry.trace import SpanKind
 
 from kvroute.telemetry import (
     ATTR_CACHED_TOKENS,
+    ATTR_COMPONENT,
     ATTR_ERROR_TYPE,
     ATTR_INPUT_TOKENS,
     ATTR_MODEL,
@@ -98,13 +102,15 @@ class RouterMetrics:
     """Creates the router's instruments on ``meter`` (names in the module docstring).
 
     ``consumer`` (an EventConsumer) and ``registry`` (a ReplicaRegistry) feed the observable
-    instruments; either may be None (then those report nothing).
+    instruments; either may be None (then those report nothing), as the picker's gauges do until
+    :meth:`observe_picker`.
     """
 
     def __init__(self, meter: metrics.Meter, *, model: str = "", consumer: Any = None, registry: Any = None) -> None:
         self.model = model
         self._consumer = consumer
         self._registry = registry
+        self._picker: Any = None  # an EndpointPicker once observe_picker() is called
         self.decisions = meter.create_counter(
             "kvroute.router.decisions", unit="{decision}",
             description="Routing decisions of the proxy by chosen replica, policy and outcome (routed,"
@@ -211,6 +217,23 @@ class RouterMetrics:
             description="Heartbeating replicas: routable, not routable, and with a refused hash triple",
         )
 
+        def picker_streams(_options: CallbackOptions) -> Iterable[Observation]:
+            p = self._picker
+            return [] if p is None else [Observation(p.open_streams)]
+
+        def picker_limit(_options: CallbackOptions) -> Iterable[Observation]:
+            p = self._picker
+            return [] if p is None or p.max_calls is None else [Observation(p.max_calls)]
+
+        meter.create_observable_gauge(
+            "kvroute.router.picker.streams", [picker_streams], unit="{stream}",
+            description="ext_proc streams the endpoint picker serves now (one per HTTP call through the gateway)",
+        )
+        meter.create_observable_gauge(
+            "kvroute.router.picker.streams.limit", [picker_limit], unit="{stream}",
+            description="The endpoint picker's stream limit (picker_streams); the call past it gets HTTP 429",
+        )
+
         def address_changes(_options: CallbackOptions) -> Iterable[Observation]:
             r = self._registry
             return [] if r is None else [Observation(r.address_changes)]
@@ -220,6 +243,10 @@ class RouterMetrics:
             description="Heartbeats whose address differs from their replica id's previous one (a flip back"
             " and forth: two replicas share one id in one namespace)",
         )
+
+    def observe_picker(self, picker: Any) -> None:
+        """Report ``picker``'s open streams (``open_streams``) and limit (``max_calls``) from now on."""
+        self._picker = picker
 
     def record_decision(self, decision: Any, outcome: str) -> None:
         """One decision of the proxy (not Score): its pick, outcome and stage timings."""
@@ -255,7 +282,7 @@ class RouterMetrics:
         """One ended call (refused ones too). TTFT and TPOT only for successful calls, as the spec
         says; TPOT = (duration - TTFT) / (completion tokens - 1), for calls with 2 tokens or more
         (the replica's definition, measured here from the router's clock)."""
-        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model}
+        attrs = {ATTR_OPERATION: operation, ATTR_MODEL: self.model, ATTR_COMPONENT: "router"}
         if error_type is not None:
             self.duration.record(duration_s, {**attrs, ATTR_ERROR_TYPE: error_type})
         else:

@@ -238,3 +238,34 @@ SYNC_TIMEOUT = 2.0
 def wait_synced(consumer, replicas: list[FakeReplica], timeout: float = SYNC_TIMEOUT,
                 what: str = "the index to match the replicas") -> None:
     wait_for(lambda: in_sync(consumer, replicas), timeout, what)
+
+
+@contextlib.contextmanager
+def unreachable_replica(redis_url: str, replica_id: str, ids: list[int], *, layout: Any = None,
+                 max_model_len: int = 2048) -> Iterator[Any]:
+    """A replica of the default model that published the full blocks of ``ids`` (block_size 16)
+    and heartbeats at an address nobody listens on: the router's best pick for ``ids`` until it
+    is closed and its heartbeat expires, and a call routed there fails UNAVAILABLE before its
+    first token (the router retries it elsewhere). Yields the RedisEventPublisher."""
+    from kvroute.engine_info import EngineInfo
+    from kvroute.events import GPU, BlockStored
+    from kvroute.hashing import BlockHasher
+    from kvroute.heartbeat import EngineLoad
+    from kvroute.redis_layout import RedisLayout
+    from kvroute_tools.redis_server import free_port
+    from replica.publisher import RedisEventPublisher
+
+    hasher = BlockHasher()
+    algorithm, digest, block_size = hasher.identity
+    info = EngineInfo(model="kvroute-tiny-llama", vocab_size=529, max_model_len=max_model_len, block_size=block_size,
+                      num_blocks=128, hash_algorithm=algorithm, hash_seed_digest=digest)
+    pub = RedisEventPublisher(redis_url, layout or RedisLayout(), replica_id, info, f"127.0.0.1:{free_port()}",
+                              heartbeat_interval=0.2)
+    pub.start()
+    try:
+        load = EngineLoad(free_blocks=119, running=0, waiting=0, usage=0.07, queued_prefill_tokens=0)
+        hashes = tuple(hasher.event_ints(ids))
+        pub.on_step([BlockStored(hashes, None, (), block_size)], load, lambda: {GPU: list(hashes)})
+        yield pub
+    finally:
+        pub.close()

@@ -120,6 +120,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         self._unsettled: collections.deque[_Call] = collections.deque()  # picked, prefill still pending, in pick order
         self._lock = threading.Lock()  # _unsettled: the pool's threads pick concurrently
 
+    @property
+    def open_streams(self) -> int:
+        """Streams being served now (one per HTTP call through the gateway)."""
+        with self._lock:
+            return self._open
+
     def Process(self, request_iterator: Iterator[ext_pb.ProcessingRequest],
                 context: grpc.ServicerContext) -> Iterator[ext_pb.ProcessingResponse]:
         # One pool thread per stream, for as long as the HTTP call lasts (router.picker.server).

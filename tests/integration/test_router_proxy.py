@@ -26,11 +26,6 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from kvroute.engine_info import EngineInfo
-from kvroute.events import GPU, BlockStored
-from kvroute.hashing import BlockHasher
-from kvroute.heartbeat import EngineLoad
-from kvroute.redis_layout import RedisLayout
 from kvroute.telemetry import setup_telemetry
 from kvroute.v1 import generation_pb2 as gen_pb
 from kvroute.v1 import generation_pb2_grpc as gen_grpc
@@ -38,14 +33,13 @@ from kvroute.v1 import replica_pb2 as rep_pb
 from kvroute.v1 import replica_pb2_grpc as rep_grpc
 from kvroute.v1 import router_pb2 as router_pb
 from kvroute.v1 import router_pb2_grpc as router_grpc
-from kvroute_tools.redis_server import free_port
-from replica.publisher import RedisEventPublisher
 from replica.server import BackgroundReplica
 from replica.settings import ReplicaSettings
 from router.consumer_feed import REJECT_REASONS
 from router.server import BackgroundRouter
 from router.settings import RouterSettings
 from tests.support import deltas_before_deadline, started_stream, wait_for
+from tests.support_redis import unreachable_replica
 
 B = 16
 T = 30.0  # deadline of every call
@@ -266,20 +260,10 @@ def dead_replica(redis_server, rs):
     """A replica that published its cache (8 blocks of a prompt) and a heartbeat, at an address
     nobody listens on: the router's best pick for that prompt, until its heartbeat expires."""
     ids = prompt(7, 8 * B + 1)
-    hasher = BlockHasher()
-    algorithm, digest, block_size = hasher.identity
-    info = EngineInfo(model="kvroute-tiny-llama", vocab_size=529, max_model_len=2048, block_size=block_size,
-                      num_blocks=128, hash_algorithm=algorithm, hash_seed_digest=digest)
-    pub = RedisEventPublisher(redis_server.url, RedisLayout(), "rep-dead", info, f"127.0.0.1:{free_port()}",
-                              heartbeat_interval=0.2)
-    pub.start()
-    load = EngineLoad(free_blocks=119, running=0, waiting=0, usage=0.07, queued_prefill_tokens=0)
-    hashes = tuple(hasher.event_ints(ids))
-    pub.on_step([BlockStored(hashes, None, (), B)], load, lambda: {GPU: list(hashes)})
-    wait_for(lambda: by_id(score(rs, ids)).get("rep-dead", router_pb.ReplicaScore()).gpu_matched_blocks == 8,
-             what="the dead replica's blocks indexed")
-    yield ids
-    pub.close()
+    with unreachable_replica(redis_server.url, "rep-dead", ids):
+        wait_for(lambda: by_id(score(rs, ids)).get("rep-dead", router_pb.ReplicaScore()).gpu_matched_blocks == 8,
+                 what="the dead replica's blocks indexed")
+        yield ids
     wait_for(lambda: "rep-dead" not in by_id(score(rs, ids)), what="the dead replica expired")
 
 

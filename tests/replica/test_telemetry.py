@@ -87,7 +87,7 @@ def test_prometheus_endpoint_shows_the_design_names_with_the_workload_values(sta
     assert total(m, "kvroute_replica_generation_tokens_total") == 8
     assert total(m, "kvroute_replica_requests_finished_total", finish_reason="length") == 2
     assert total(m, "kvroute_replica_preemptions_total") == 0
-    assert total(m, "kvroute_replica_kv_cache_usage") == 0.0
+    assert total(m, "kvroute_replica_kv_cache_usage_ratio") == 0.0
     assert total(m, "kvroute_replica_requests_running") == 0
     assert total(m, "kvroute_replica_requests_waiting") == 0
     for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_time_per_output_token_seconds",
@@ -203,7 +203,7 @@ def test_replica_metrics_read_the_latest_engine_sample_and_count_cancels_as_abor
         values = {name: dp for (name, _), dp in points.items()}
         assert values["kvroute.replica.prefix_cache.queries"].value == 106
         assert values["kvroute.replica.prefix_cache.hits"].value == 48
-        assert values["kvroute.replica.kv_cache.usage"].value == 0.25
+        assert values["kvroute.replica.kv_cache.usage_ratio"].value == 0.25
         assert (values["kvroute.replica.requests.running"].value, values["kvroute.replica.requests.waiting"].value) == (3, 2)
         assert values["kvroute.replica.preemptions"].value == 1
         assert "kvroute.replica.events.published" not in values  # no publisher: nothing observed
