@@ -1,8 +1,9 @@
 """The chart's gateway modes, rendered by Helm's engine: ``envoy`` (an Envoy Deployment whose
 bootstrap is ``kvroute_tools.envoy.bootstrap``'s, checked against the generator and by the real
-Envoy binary's ``--mode validate``) and ``inferencePool`` (an InferencePool and an example
-HTTPRoute, validated against the published CRDs' v1 schemas in tests/deploy/data/). The Kubernetes
-schemas of the built-in kinds are test_chart_render.py's matrix."""
+Envoy binary's ``--mode validate``) and ``inferencePool`` (an InferencePool, an example HTTPRoute
+and, for Istio, a DestinationRule for the picker's TLS, validated against the published CRDs' v1
+schemas in tests/deploy/data/). The Kubernetes schemas of the built-in kinds are
+test_chart_render.py's matrix."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import yaml
 
 from kvroute_tools.envoy import bootstrap, envoy_binary
 from kvroute_tools.redis_server import free_port
-from tests.deploy.chart import FULLNAME, NAMESPACE, container, env_of, find, notes, pod_spec, render
+from tests.deploy.chart import FULLNAME, NAMESPACE, container, env_of, find, helm, notes, pod_spec, render
 from tests.deploy.envoy_chart import BOOTSTRAP_FILE, TLS_BOOTSTRAP_FILE, TLS_DIR, chart_tls, file_text
 from tests.support import wait_for
 from tests.support_tls import TestCA
@@ -52,6 +53,9 @@ def crd_schema(file_name: str, version: str = "v1") -> dict[str, Any]:
                 strict(child)
 
     strict(schema)
+    # The API server takes an object's apiVersion, kind and metadata whether its schema lists them or not.
+    for field, type_ in (("apiVersion", "string"), ("kind", "string"), ("metadata", "object")):
+        schema["properties"].setdefault(field, {"type": type_})
     return schema
 
 
@@ -64,6 +68,7 @@ POOL_CRDS = {"v1.0": "inference.networking.k8s.io_inferencepools.v1.0.0.yaml",  
              "v1.6": "inference.networking.k8s.io_inferencepools.v1.6.0.yaml"}  # the latest release
 POOL_CRD = POOL_CRDS["v1.6"]
 ROUTE_CRD = "gateway.networking.k8s.io_httproutes.yaml"
+DESTINATION_RULE_CRD = "networking.istio.io_destinationrules.v1.30.3.yaml"
 
 
 def rendered_bootstrap(values: dict) -> dict:
@@ -309,6 +314,69 @@ def test_the_example_http_route_validates_and_sends_generation_calls_to_the_pool
     # Off: the pool alone.
     docs = render({"gateway": {"mode": "inferencePool", "inferencePool": {"httpRoute": {"enabled": False}}}})
     assert not [d for d in docs if d["kind"] == "HTTPRoute"] and find(docs, "InferencePool", FULLNAME)
+
+
+def istio_picker_tls(destination_rule: dict | None = None, **tls) -> dict:
+    """inferencePool mode with gRPC TLS (``tls``: more of its keys) and the picker's DestinationRule on."""
+    return {"gateway": {"mode": "inferencePool", "inferencePool": {"istio": {"destinationRule": {
+                "enabled": True, **(destination_rule or {})}}}},
+            "tls": {"enabled": True, "existingSecret": "kvr-tls", **tls}}
+
+
+def test_the_istio_destination_rule_dials_the_picker_port_over_tls_by_the_routers_name():
+    docs = render(istio_picker_tls())
+    rule = find(docs, "DestinationRule", f"{ROUTER}-picker")
+    assert rule["apiVersion"] == "networking.istio.io/v1"
+    assert crd_errors(rule, DESTINATION_RULE_CRD) == []
+    assert rule["spec"]["host"] == f"{ROUTER}.{NAMESPACE}.svc.cluster.local"
+    # One port: the picker's, the one the InferencePool names (the router's other ports keep the mesh's policy).
+    (port,) = rule["spec"]["trafficPolicy"]["portLevelSettings"]
+    picker = next(p for p in find(docs, "Service", ROUTER)["spec"]["ports"] if p["name"] == "picker")
+    assert port["port"]["number"] == picker["port"] == find(docs, "InferencePool", FULLNAME)["spec"][
+        "endpointPickerRef"]["port"]["number"]
+    # SNI and the name checked are the router Service's, which the router's certificate carries (the
+    # probes and helm test check it against that name), verified with the Secret the router serves from.
+    assert port["tls"] == {"mode": "SIMPLE", "sni": ROUTER, "subjectAltNames": [ROUTER], "credentialName": "kvr-tls"}
+    test_pod = container(find(docs, "Pod", f"{FULLNAME}-test-health"), "health")
+    assert test_pod["command"][test_pod["command"].index("--tls-server-name") + 1] == ROUTER
+    router = find(docs, "Deployment", ROUTER)
+    assert {"name": "tls", "secret": {"secretName": "kvr-tls"}} in pod_spec(router)["volumes"]
+    assert {"KVROUTE_TLS_CERT_FILE", "KVROUTE_PICKER_PORT"} <= set(env_of(container(router, "router")))
+    # And the check can fail: a mode Istio does not have.
+    bad = copy.deepcopy(rule)
+    bad["spec"]["trafficPolicy"]["portLevelSettings"][0]["tls"]["mode"] = "TLS"
+    (error,) = crd_errors(bad, DESTINATION_RULE_CRD)
+    assert "is not one of" in error
+
+
+@pytest.mark.parametrize(("destination_rule", "tls", "want"), [
+    ({}, {"mutual": True}, {"mode": "MUTUAL", "subjectAltNames": [ROUTER], "credentialName": "kvr-tls"}),
+    ({"credentialName": "kvr-tls-copy"}, {}, {"mode": "SIMPLE", "subjectAltNames": [ROUTER], "credentialName": "kvr-tls-copy"}),
+    ({"insecureSkipVerify": True}, {}, {"mode": "SIMPLE", "insecureSkipVerify": True}),
+    ({"insecureSkipVerify": True}, {"mutual": True}, {"mode": "MUTUAL", "insecureSkipVerify": True, "credentialName": "kvr-tls"}),
+], ids=["mutual", "credential-name", "insecure-skip-verify", "insecure-skip-verify-mutual"])
+def test_the_istio_destination_rule_presents_and_checks_what_the_values_say(destination_rule, tls, want):
+    rule = find(render(istio_picker_tls(destination_rule, **tls)), "DestinationRule", f"{ROUTER}-picker")
+    assert crd_errors(rule, DESTINATION_RULE_CRD) == []
+    (port,) = rule["spec"]["trafficPolicy"]["portLevelSettings"]
+    assert port["tls"] == {"sni": ROUTER, **want}
+    other = render({**istio_picker_tls(), "clusterDomain": "k8s.example", "router": {"picker": {"port": 9012}}})
+    (port,) = find(other, "DestinationRule", f"{ROUTER}-picker")["spec"]["trafficPolicy"]["portLevelSettings"]
+    assert port["port"] == {"number": 9012}
+    assert find(other, "DestinationRule", f"{ROUTER}-picker")["spec"]["host"] == f"{ROUTER}.{NAMESPACE}.svc.k8s.example"
+
+
+def test_the_istio_destination_rule_without_tls_is_refused_naming_both_keys():
+    values = istio_picker_tls()
+    values["tls"] = {"enabled": False}
+    with pytest.raises(helm.HelmRenderError,
+                       match=r"gateway\.inferencePool\.istio\.destinationRule\.enabled needs tls\.enabled"):
+        render(values)
+    # Off unless asked, and only in inferencePool mode.
+    assert not [d for d in render({**istio_picker_tls(), "gateway": {"mode": "inferencePool"}}) if d["kind"] == "DestinationRule"]
+    envoy = istio_picker_tls()
+    envoy["gateway"]["mode"] = "envoy"
+    assert not [d for d in render(envoy) if d["kind"] == "DestinationRule"]
 
 
 def test_notes_name_the_front_of_each_mode():

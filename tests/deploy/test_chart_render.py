@@ -1,6 +1,6 @@
 """The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
 existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
-discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
+discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS, Istio's picker TLS): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
 (kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
 in strict mode, and the chart's contract with the code holds (appVersion, setting names)."""
 
@@ -31,9 +31,9 @@ from tests.deploy.chart import (
 
 K8S_VERSIONS = ("1.29.0", "1.33.0")
 ROUTER, REPLICA, REDIS = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-redis"
-# Not in the Kubernetes schemas: ServiceMonitor checked field by field below, InferencePool and
-# HTTPRoute against their published CRDs in test_chart_gateway.py.
-CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute"}
+# Not in the Kubernetes schemas: ServiceMonitor checked field by field below, InferencePool, HTTPRoute
+# and Istio's DestinationRule against their published CRDs in test_chart_gateway.py.
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute", "DestinationRule"}
 
 MATRIX = {
     "defaults": {},
@@ -62,6 +62,8 @@ MATRIX = {
     "vllm-static": {"replica": {"engine": "vllm"}, "router": {"discovery": "static"}},
     "vllm-inference-pool": {"replica": {"engine": "vllm"}, "router": {"discovery": "redis"},
                             "gateway": {"mode": "inferencePool"}},
+    "inference-pool-istio-picker-tls": {"gateway": {"mode": "inferencePool", "inferencePool": {
+        "istio": {"destinationRule": {"enabled": True}}}}, "tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
 }
 
 
