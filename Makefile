@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv vllm run test test-vllm proto lint bench clean
+.PHONY: venv vllm prometheus run test test-vllm proto lint bench clean
 
 # vLLM on CPU in its own virtualenv, for the tests against a real vLLM server (tests/vllm/, marker
 # vllm): about 3.4 GB. The CPU torch it needs is pinned as above; the CUDA torchvision/torchaudio
@@ -42,9 +42,26 @@ run: venv
 	  $(PY) -m kvroute_tools bench --target {target} --requests 1000 --tokens-per-block 16 --output-scale 0.02 \
 	  --concurrency 16 --interleave 200 --policies kvroute,round_robin --admin-token-file {admin_token_file}
 
+# A Prometheus for the dashboard tests (tests/deploy/test_dashboard_prometheus.py): Debian trixie's
+# package, checked against its SHA-256 and unpacked into .prometheus/, no service installed (Linux
+# x86_64; elsewhere a `prometheus` on PATH serves, and without one those tests skip and say why).
+PROMETHEUS_DEB    := prometheus_2.53.3+ds1-2_amd64.deb
+PROMETHEUS_SHA256 := 58c3e6a86c56cb3bfd71032fa48d65945d526441a212f5815dfe5ed9cb787ecc
+PROMETHEUS_BIN    := .prometheus/usr/bin/prometheus
+
+$(PROMETHEUS_BIN):
+	mkdir -p .prometheus
+	curl -fsSL --retry 2 -o .prometheus/$(PROMETHEUS_DEB) http://deb.debian.org/debian/pool/main/p/prometheus/$(PROMETHEUS_DEB)
+	echo "$(PROMETHEUS_SHA256)  .prometheus/$(PROMETHEUS_DEB)" | sha256sum -c --quiet -
+	dpkg-deb -x .prometheus/$(PROMETHEUS_DEB) .prometheus
+	rm -f .prometheus/$(PROMETHEUS_DEB)
+
+prometheus: $(PROMETHEUS_BIN)
+
 # The layering contracts first (import-linter, [tool.importlinter] in pyproject.toml): a broken
 # one fails the target before the suite runs.
 test: venv
+	$(MAKE) -s prometheus || echo "make prometheus failed: the real-Prometheus tests will skip"
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
 
@@ -72,4 +89,4 @@ bench: venv
 	$(PY) bench/kv_manager.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so
+	rm -rf $(VENV) $(VLLM_VENV) .prometheus build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so

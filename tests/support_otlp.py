@@ -24,12 +24,17 @@ def _metric_names(request: metrics_pb.ExportMetricsServiceRequest) -> list[str]:
     return [m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
 
 
+def _record_metrics(receiver: OtlpReceiver, transport: str, request: metrics_pb.ExportMetricsServiceRequest) -> None:
+    receiver.record(transport, metrics=_metric_names(request), resource_metrics=list(request.resource_metrics))
+
+
 class OtlpReceiver:
     """Both OTLP transports on free loopback ports: ``grpc_endpoint`` (``http://127.0.0.1:P``, what
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` takes for grpc) and ``http_endpoint`` (the base URL the HTTP
     exporters append ``/v1/<signal>`` to). ``spans[transport]`` and ``metrics[transport]``
     (transport ``"grpc"`` or ``"http/protobuf"``) list the names received, in order;
-    ``received[transport]`` the spans themselves (``opentelemetry.proto.trace.v1.Span``)."""
+    ``received[transport]`` the spans themselves (``opentelemetry.proto.trace.v1.Span``),
+    ``resource_metrics[transport]`` the metrics (``opentelemetry.proto.metrics.v1.ResourceMetrics``)."""
 
     __test__ = False
 
@@ -37,6 +42,7 @@ class OtlpReceiver:
         self.spans: dict[str, list[str]] = {"grpc": [], "http/protobuf": []}
         self.metrics: dict[str, list[str]] = {"grpc": [], "http/protobuf": []}
         self.received: dict[str, list] = {"grpc": [], "http/protobuf": []}
+        self.resource_metrics: dict[str, list] = {"grpc": [], "http/protobuf": []}
         self._lock = threading.Lock()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(4))
         trace_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._grpc)
@@ -46,9 +52,10 @@ class OtlpReceiver:
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.http_endpoint = f"http://127.0.0.1:{self._http.server_address[1]}"
 
-    def record(self, transport: str, spans: list = (), metrics: list[str] = ()) -> None:
+    def record(self, transport: str, spans: list = (), metrics: list[str] = (), resource_metrics: list = ()) -> None:
         with self._lock:
             self.received[transport] += spans
+            self.resource_metrics[transport] += resource_metrics
             self.spans[transport] += [s.name for s in spans]
             self.metrics[transport] += metrics
 
@@ -77,7 +84,7 @@ class _MetricsService(metrics_grpc.MetricsServiceServicer):
         self.receiver = receiver
 
     def Export(self, request, context):  # noqa: N802 - the service's method name
-        self.receiver.record("grpc", metrics=_metric_names(request))
+        _record_metrics(self.receiver, "grpc", request)
         return metrics_pb.ExportMetricsServiceResponse()
 
 
@@ -92,8 +99,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 receiver.record("http/protobuf", spans=_spans(trace_pb.ExportTraceServiceRequest.FromString(body)))
                 answer = trace_pb.ExportTraceServiceResponse()
             elif self.path == "/v1/metrics":
-                receiver.record("http/protobuf",
-                                metrics=_metric_names(metrics_pb.ExportMetricsServiceRequest.FromString(body)))
+                _record_metrics(receiver, "http/protobuf", metrics_pb.ExportMetricsServiceRequest.FromString(body))
                 answer = metrics_pb.ExportMetricsServiceResponse()
             else:
                 self.send_error(404)
