@@ -61,7 +61,7 @@ OTLP_ENDPOINT_VARIABLES = (
     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
 )
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # the specification's names; http/json has no Python exporter
-SHUTDOWN_WAIT_S = 1.0  # what stopping gives the last export to a collector
+SHUTDOWN_WAIT_S = 0.5  # what stopping gives the last export to a collector (one on the node answers in ms)
 
 Metadata = Sequence[tuple[str, str | bytes]]
 

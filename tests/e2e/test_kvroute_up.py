@@ -286,7 +286,7 @@ def test_up_keep_going_serves_on_with_the_other_replica_when_one_dies(tmp_path, 
 def test_up_stops_at_once_with_the_otlp_collector_unreachable(tmp_path, default_model_dir):
     """A collector that accepts connections and never answers (every export would wait for the
     exporters' 10 s timeout): SIGTERM still stops the cluster promptly, every process giving its
-    last export one second (kvroute.telemetry.SHUTDOWN_WAIT_S)."""
+    last export half a second (kvroute.telemetry.SHUTDOWN_WAIT_S)."""
     import socket
 
     silent = socket.create_server(("127.0.0.1", 0))
