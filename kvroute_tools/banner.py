@@ -21,10 +21,10 @@ def banner_text(cluster: Any) -> str:
         url = cluster.metrics_urls.get(name)
         return f"  metrics {url}" if url else ""
 
-    lines = [
-        f"kvroute up: {counted(len(cluster.replicas), 'replica')} and a router are ready (logs in {cluster.log_dir})",
-        f"  {'router':<11} {cluster.router_target:<22} pid {cluster.router.pid if cluster.router else '-'}{metrics('router')}",
-    ]
+    routers = "a router" if len(cluster.routers) == 1 else counted(len(cluster.routers), "router")
+    lines = [f"kvroute up: {counted(len(cluster.replicas), 'replica')} and {routers} are ready (logs in {cluster.log_dir})"]
+    for c in cluster.routers:
+        lines.append(f"  {c.name:<11} {c.target:<22} pid {c.pid}{metrics(c.name)}")
     if cluster.envoy is not None and cluster.envoy.child is not None:
         lines.append(f"  {'envoy':<11} {t:<22} pid {cluster.envoy.child.pid} (the front; admin {cluster.envoy.admin_url},"
                      f" log {cluster.envoy.log_path}; its endpoint picker: the router on {cluster.picker_target})")
@@ -44,7 +44,8 @@ def banner_text(cluster: Any) -> str:
         f"  kvroute bench --target {t} --admin-token-file {cluster.admin_token_file} --requests 200 --tokens-per-block 16",
     ]
     if cluster.router_http_url:
-        lines.insert(-4, f"  openai      {cluster.router_http_url} (the router's OpenAI-compatible HTTP API)")
+        whose = "the router's" if len(cluster.router_http_urls) == 1 else "the routers'"
+        lines.insert(-4, f"  openai      {', '.join(cluster.router_http_urls)} ({whose} OpenAI-compatible HTTP API)")
         body = json.dumps({"model": Path(cluster.model_dir).name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
         lines.append(f"  curl {cluster.router_http_url}/completions -H 'Content-Type: application/json' -d '{body}'")
     return "\n".join(lines)

@@ -12,9 +12,10 @@ torch (DESIGN.md §1).
                                                  flags are ReplicaSettings' (kvroute replica --help)
     kvroute router [--flag ...]                  run one router (KV event consumer + gRPC proxy); its
                                                  flags are RouterSettings' (kvroute router --help)
-    kvroute up [--replicas N] [...] [-- CMD ...]  redis + N replicas + a router on this machine until
-                                                 Ctrl-C (or, with CMD, until CMD ends; {target} in CMD
-                                                 becomes the router's host:port) -- kvroute_tools.up
+    kvroute up [--replicas N] [...] [-- CMD ...]  redis + N replicas + a router (--routers M) on this
+                                                 machine until Ctrl-C (or, with CMD, until CMD ends;
+                                                 {target} in CMD becomes the router's host:port,
+                                                 {targets} every router's) -- kvroute_tools.up
     kvroute generate [--target H:P] "text"       stream one generation from a router -- kvroute_tools.client
     kvroute health --target H:P                  exit 0 when the router is ready and has a routable
                                                  replica, else 1 with the reason; --service NAME checks
@@ -136,7 +137,8 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--model: {args.model} {what} (a Hugging Face model folder)")
     try:
         args.config = ClusterConfig(
-            replicas=args.replicas, host=args.host, router_port=args.router_port, base_port=args.base_port,
+            replicas=args.replicas, routers=args.routers, host=args.host, router_port=args.router_port,
+            base_port=args.base_port,
             router_http_port=args.router_http_port, replica_http_base_port=args.replica_http_base_port,
             redis_url=args.redis_url, namespace=args.namespace, model=args.model,
             model_cache_dir=args.model_cache_dir, kv_cache_memory_mb=args.kv_cache_memory_mb,
@@ -207,7 +209,8 @@ def _check_bench(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from kvroute_tools.trace import BUNDLED_TRACE
 
     try:
-        parse_target(args.target)
+        for target in args.target.split(","):
+            parse_target(target.strip())
         args.config = BenchConfig(
             target=args.target, trace=args.trace or str(BUNDLED_TRACE), requests=args.requests,
             tokens_per_block=args.tokens_per_block, prompt_length=args.prompt_length, output_scale=args.output_scale,
@@ -254,12 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser(
         "up", help="run redis + N replicas + a router on this machine until Ctrl-C",
-        description="Start an embedded redis-server (unless --redis-url), N replicas and a router as child "
-                    "processes, wait until all are ready, print the endpoints, and stop them all on Ctrl-C or "
-                    "SIGTERM. With `-- CMD ...` run CMD once ready ({target} in it becomes the router's "
-                    "host:port), then stop, exiting with CMD's status.",
+        description="Start an embedded redis-server (unless --redis-url), N replicas and a router (or "
+                    "--routers M) as child processes, wait until all are ready, print the endpoints, and stop "
+                    "them all on Ctrl-C or SIGTERM. With `-- CMD ...` run CMD once ready ({target} in it becomes "
+                    "the (first) router's host:port, {targets} every router's), then stop, exiting with CMD's "
+                    "status.",
     )
     u.add_argument("--replicas", type=int, default=2, help="replica processes (default 2)")
+    u.add_argument("--routers", type=int, default=1,
+                   help="router processes on the one Redis, sharing their load (default 1); the first on "
+                        "--router-port ({target}), the others on free ports ({targets}: all, comma-separated)")
     u.add_argument("--host", default="127.0.0.1", help="listen address of every process (default 127.0.0.1)")
     u.add_argument("--router-port", type=int, default=50050, help="the router's port (default 50050; 0 = free)")
     u.add_argument("--router-http-port", type=int, default=0,
@@ -337,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "requests per replica, and the bounds computed from the trace's hash ids.",
     )
     b.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled FAST'25 trace)")
-    b.add_argument("--target", default="127.0.0.1:50050", help="the router, HOST:PORT (default 127.0.0.1:50050)")
+    b.add_argument("--target", default="127.0.0.1:50050",
+                   help="the router, HOST:PORT (default 127.0.0.1:50050), or several comma-separated (kvroute up "
+                        "--routers: {targets}): request i goes to the (i mod n)-th")
     b.add_argument("--requests", type=int, default=1000, help="the first N trace requests (default 1000)")
     b.add_argument("--tokens-per-block", type=int, default=TRACE_BLOCK_TOKENS,
                    help="tokens per 512-token trace block (default %(default)s, the trace's own; fewer scale the replay down to a small model, as make run does with 16)")

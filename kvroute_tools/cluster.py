@@ -1,16 +1,17 @@
-"""``kvroute up``'s cluster: redis, N replicas and a router as supervised child processes on this
-machine (DESIGN.md §7), started in order and stopped in order.
+"""``kvroute up``'s cluster: redis, N replicas and one or more routers as supervised child processes
+on this machine (DESIGN.md §7), started in order and stopped in order.
 
     start ─▶ redis-server (embedded, unless --redis-url)
           ─▶ the model resolved once (kvroute_tools.resolve_model in a child python: N replicas
              don't race to write the default model, and `up` stays torch-free)
-          ─▶ N x `python -m replica` + `python -m router` (with ``metrics``: each with a Prometheus
-             endpoint on a free port, ``metrics_urls``, printed in the banner)
-          ─▶ ready: every grpc.health.v1 "readiness" SERVING, and the router sees all N replicas
+          ─▶ N x `python -m replica` + M x `python -m router` (``--routers M``: one Redis, so they
+             share their in-flight load; with ``metrics``: each process with
+             a Prometheus endpoint on a free port, ``metrics_urls``, printed in the banner)
+          ─▶ ready: every grpc.health.v1 "readiness" SERVING, and every router sees all N replicas
              routable (RouterService.Score)
           ─▶ --gateway envoy: Envoy (kvroute_tools.envoy) in front, the router as its endpoint picker
 
-Stopping (``LocalCluster.stop``, idempotent): SIGTERM to the router's and the replicas' process
+Stopping (``LocalCluster.stop``, idempotent): SIGTERM to the routers' and the replicas' process
 groups at once, wait, SIGKILL what is left; then the same for redis, last, so that the replicas'
 publishers close against a live server. Every child runs in its own session (process group), so
 a terminal's Ctrl-C reaches only ``up``, which stops them in order, and whatever a child spawned
@@ -45,7 +46,7 @@ from kvroute.process import dial_host
 from kvroute.redis_connect import connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.banner import EXAMPLE_PROMPT
-from kvroute_tools.cluster_ports import ClusterError, metrics_flags, plan_ports
+from kvroute_tools.cluster_ports import ClusterError, metrics_flags, plan_ports, router_names
 from kvroute_tools.envoy import EnvoyFront
 from kvroute_tools.redis_server import find_redis_server, free_port
 from kvroute_tools.supervise import POLL_S, SERVING, Child, health, stop_all
@@ -65,6 +66,7 @@ class ClusterConfig:
     """What ``kvroute up`` starts (see ``kvroute up --help``)."""
 
     replicas: int = 2
+    routers: int = 1  # router processes on one Redis; the first on router_port, the others on free ports
     host: str = "127.0.0.1"
     router_port: int = 50050  # 0 = a free port
     router_http_port: int = 0  # the router's OpenAI-compatible HTTP API: 0 = a free port, -1 = off
@@ -104,6 +106,11 @@ class ClusterConfig:
             raise ValueError(f"--gateway-port: must be in 0..65535, got {self.gateway_port}")
         if self.replicas < 1:
             raise ValueError(f"--replicas: must be >= 1, got {self.replicas}")
+        if self.routers < 1:
+            raise ValueError(f"--routers: must be >= 1, got {self.routers}")
+        if self.routers > 1 and self.gateway == "envoy":  # its ext_proc cluster names one picker
+            raise ValueError("--routers: --gateway envoy puts Envoy in front of one router (its endpoint picker); "
+                             "leave --routers at 1")
         if not 0 <= self.router_port < 65536:
             raise ValueError(f"--router-port: must be in 0..65535, got {self.router_port}")
         if not -1 <= self.router_http_port < 65536:
@@ -142,7 +149,7 @@ class ClusterConfig:
 
 
 class LocalCluster:
-    """Redis, N replicas and a router as child processes (module docstring). ``start()`` returns
+    """Redis, N replicas and the routers as child processes (module docstring). ``start()`` returns
     when all are ready; ``stop()`` stops them (idempotent, also at exit)."""
 
     def __init__(self, config: ClusterConfig, *, log=print):
@@ -154,8 +161,9 @@ class LocalCluster:
         self.replicas: list[Child] = []
         self.engines: list[Child] = []  # --engine vllm: the vLLM servers (the replicas are their bridges)
         self.vllm_ports: list[VllmPorts] = []  # --engine vllm: each server's HTTP, KV events and replay ports
-        self.router: Child | None = None
-        self.router_http_url = ""  # http://host:port/v1 once started (empty: HTTP off)
+        self.routers: list[Child] = []  # the first is ``router``: {target}, the banner's router line
+        self.router_http_url = ""  # the first router's http://host:port/v1 once started (empty: HTTP off)
+        self.router_http_urls: list[str] = []  # every router's
         self.admin_token_file: Path | None = None  # the router's admin token (SetPolicy), made at start
         self.admin_token = ""  # the token in it
         self.envoy: EnvoyFront | None = None  # --gateway envoy
@@ -167,8 +175,18 @@ class LocalCluster:
         atexit.register(self.stop)
 
     @property
+    def router(self) -> Child | None:
+        """The first router (``{target}``; None before the start)."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def router_target(self) -> str:
         return self.router.target if self.router is not None else ""
+
+    @property
+    def router_targets(self) -> list[str]:
+        """Every router's ``host:port``, the first first."""
+        return [c.target for c in self.routers]
 
     @property
     def front_target(self) -> str:
@@ -178,7 +196,7 @@ class LocalCluster:
     @property
     def children(self) -> list[Child]:
         envoy = self.envoy.child if self.envoy is not None else None
-        return [c for c in (self.redis, *self.engines, *self.replicas, self.router, envoy) if c is not None]
+        return [c for c in (self.redis, *self.engines, *self.replicas, *self.routers, envoy) if c is not None]
 
     # -- start -----------------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -196,10 +214,9 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.admin_token_file = self._write_admin_token()
             ports = plan_ports(cfg)
-            router_port, replica_ports, replica_http_ports = ports.router, ports.replicas, ports.replica_http
-            http_port, metrics_ports = ports.router_http, ports.metrics
-            if http_port >= 0:
-                self.router_http_url = f"http://{cfg.dial_host}:{http_port}/v1"
+            replica_ports, replica_http_ports, metrics_ports = ports.replicas, ports.replica_http, ports.metrics
+            self.router_http_urls = [f"http://{cfg.dial_host}:{p}/v1" for p in ports.router_http]
+            self.router_http_url = self.router_http_urls[0] if self.router_http_urls else ""
             self.metrics_urls = {name: f"http://{cfg.dial_host}:{p}/metrics" for name, p in metrics_ports.items()}
             if self.redis_url:
                 self._check_redis()
@@ -217,14 +234,16 @@ class LocalCluster:
                                            target=f"{cfg.dial_host}:{port}").start())
                 if http >= 0:
                     self.replica_http_urls.append(f"http://{cfg.dial_host}:{http}")
-            argv = self._router_argv(router_port, http_port) + metrics_flags("router", metrics_ports)
-            if cfg.gateway == "envoy":  # the router's endpoint picker port, Envoy's ext_proc cluster
-                picker_port = free_port(cfg.dial_host)
-                self.picker_target = f"{cfg.dial_host}:{picker_port}"
-                argv += ["--picker-port", str(picker_port)]
-            self.router = Child("router", argv, self.log_dir / "router.log",
-                                target=f"{cfg.dial_host}:{router_port}").start()
-            self._wait_ready([*(self.replicas if cfg.engine == "kvroute" else ()), self.router], deadline)
+            for i, name in enumerate(router_names(cfg.routers)):
+                http_port = ports.router_http[i] if ports.router_http else -1
+                argv = self._router_argv(ports.routers[i], http_port) + metrics_flags(name, metrics_ports)
+                if cfg.gateway == "envoy":  # the router's endpoint picker port, Envoy's ext_proc cluster
+                    picker_port = free_port(cfg.dial_host)
+                    self.picker_target = f"{cfg.dial_host}:{picker_port}"
+                    argv += ["--picker-port", str(picker_port)]
+                self.routers.append(Child(name, argv, self.log_dir / f"{name}.log",
+                                          target=f"{cfg.dial_host}:{ports.routers[i]}").start())
+            self._wait_ready([*(self.replicas if cfg.engine == "kvroute" else ()), *self.routers], deadline)
             self._wait_routable(deadline)
             if cfg.gateway == "envoy":
                 self.envoy = EnvoyFront(self.router_target, picker_target=self.picker_target, host=cfg.host,
@@ -371,14 +390,18 @@ class LocalCluster:
                 ch.close()
 
     def _wait_routable(self, deadline: float) -> None:
-        """Until the router counts every replica routable (heartbeat seen, hash triple checked)."""
+        """Until every router counts every replica routable (heartbeat seen, hash triple checked)."""
+        for router in self.routers:
+            self._wait_router_routable(router, deadline)
+
+    def _wait_router_routable(self, router: Child, deadline: float) -> None:
         from kvroute.v1 import generation_pb2 as gen_pb
         from kvroute.v1 import router_pb2 as router_pb
         from kvroute.v1 import router_pb2_grpc as router_grpc
 
         want = {c.name for c in self.replicas}
         last = ""
-        with grpc.insecure_channel(self.router_target) as ch:
+        with grpc.insecure_channel(router.target) as ch:
             stub = router_grpc.RouterServiceStub(ch)
             while True:
                 for c in self.children:
@@ -393,7 +416,7 @@ class LocalCluster:
                 except grpc.RpcError as e:
                     last = f"{e.code().name}: {e.details()}"
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"the router does not see every replica routable within "
+                    raise ClusterError(f"{router.name} does not see every replica routable within "
                                        f"{self.config.ready_timeout:.0f} s ({last}); logs in {self.log_dir}")
                 time.sleep(POLL_S)
 
@@ -404,7 +427,7 @@ class LocalCluster:
 
     def is_replica(self, child: Child) -> bool:
         """``child`` is part of a replica (a kvroute replica, a vLLM server or its bridge), not a
-        process the whole cluster needs (Redis, the router, Envoy)."""
+        process the whole cluster needs (Redis, a router, Envoy)."""
         return child in self.replicas or child in self.engines
 
     def serving_replicas(self) -> int:
@@ -417,7 +440,7 @@ class LocalCluster:
 
     # -- stop ------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Router and replicas first (SIGTERM, wait, SIGKILL), then redis. Idempotent."""
+        """Routers and replicas first (SIGTERM, wait, SIGKILL), then redis. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -425,7 +448,7 @@ class LocalCluster:
             atexit.unregister(self.stop)
         if self.envoy is not None:  # the front first: no new call reaches a stopping router
             self.envoy.stop()
-        stop_all([c for c in (self.router, *self.replicas, *self.engines) if c is not None], self.config.stop_timeout)
+        stop_all([*self.routers, *self.replicas, *self.engines], self.config.stop_timeout)
         if self.redis is not None:
             stop_all([self.redis], 5.0)
 

@@ -1,7 +1,7 @@
 """The ports ``kvroute up`` gives its processes: fixed ones checked free, the rest picked free, none
 twice (kvroute_tools.cluster's ``LocalCluster.start`` uses the plan).
 
-    ClusterConfig ─▶ plan_ports ─▶ PortPlan(router, replicas, replica_http, router_http, metrics)
+    ClusterConfig ─▶ plan_ports ─▶ PortPlan(routers, replicas, replica_http, router_http, metrics)
 """
 
 from __future__ import annotations
@@ -19,18 +19,32 @@ class ClusterError(RuntimeError):
 
 @dataclass
 class PortPlan:
-    """Every port of one local cluster: the router's gRPC port, the replicas' gRPC ports, the
-    replicas' HTTP ports (empty: off), the router's HTTP port (-1: off) and, with ``metrics``, a
-    Prometheus port per process name (``router``, ``replica-0``, ...)."""
+    """Every port of one local cluster: the routers' gRPC ports (the first is ``--router-port``'s),
+    the replicas' gRPC ports, the replicas' HTTP ports (empty: off), the routers' HTTP ports (empty:
+    off) and, with ``metrics``, a Prometheus port per process name (``router``, ``router-1``, ...,
+    ``replica-0``, ...)."""
 
-    router: int
+    routers: list[int]
     replicas: list[int]
     replica_http: list[int] = field(default_factory=list)
-    router_http: int = -1
+    router_http: list[int] = field(default_factory=list)
     metrics: dict[str, int] = field(default_factory=dict)
 
     def taken(self) -> list[int]:
-        return [self.router, *self.replicas, *self.replica_http, self.router_http, *self.metrics.values()]
+        return [*self.routers, *self.replicas, *self.replica_http, *self.router_http, *self.metrics.values()]
+
+    def free(self, host: str) -> int:
+        """A free port on ``host`` that the plan has not given out yet."""
+        port = 0
+        while not port or port in self.taken():
+            port = free_port(host)
+        return port
+
+
+def router_names(n: int) -> list[str]:
+    """The process names of ``n`` routers: ``router`` (the first, whose name and log stay those of a
+    one-router cluster), then ``router-1``, ``router-2``, ..."""
+    return ["router", *(f"router-{i}" for i in range(1, n))]
 
 
 def plan_ports(cfg: Any) -> PortPlan:
@@ -47,19 +61,18 @@ def plan_ports(cfg: Any) -> PortPlan:
         if busy:
             raise ClusterError(f"--replica-http-base-port: port(s) {', '.join(map(str, busy))} on {cfg.host} are taken")
         plan.replica_http = ports
+    while len(plan.routers) < cfg.routers:
+        plan.routers.append(plan.free(cfg.dial_host))
     port = cfg.router_http_port
     if port >= 0:
         if port and not port_free(cfg.host, port):
             raise ClusterError(f"router_http_port: port {port} on {cfg.host} is taken")
-        while not port or port in plan.taken():
-            port = free_port(cfg.dial_host)
-        plan.router_http = port
+        plan.router_http = [port if port and port not in plan.taken() else plan.free(cfg.dial_host)]
+        while len(plan.router_http) < cfg.routers:
+            plan.router_http.append(plan.free(cfg.dial_host))
     if cfg.metrics:
-        for name in ("router", *(f"replica-{i}" for i in range(cfg.replicas))):
-            port = 0
-            while not port or port in plan.taken():
-                port = free_port(cfg.dial_host)
-            plan.metrics[name] = port
+        for name in (*router_names(cfg.routers), *(f"replica-{i}" for i in range(cfg.replicas))):
+            plan.metrics[name] = plan.free(cfg.dial_host)
     return plan
 
 
@@ -69,7 +82,7 @@ def metrics_flags(name: str, ports: dict[str, int]) -> list[str]:
     return ["--metrics-port", str(ports[name])] if name in ports else []
 
 
-def _grpc_ports(cfg: Any) -> tuple[int, list[int]]:
+def _grpc_ports(cfg: Any) -> tuple[list[int], list[int]]:
     router_port = cfg.router_port or free_port(cfg.dial_host)
     if cfg.router_port and not port_free(cfg.host, router_port):
         raise ClusterError(f"--router-port: port {router_port} on {cfg.host} is taken (another `kvroute up`?); "
@@ -85,7 +98,7 @@ def _grpc_ports(cfg: Any) -> tuple[int, list[int]]:
             p = free_port(cfg.dial_host)
             if p != router_port and p not in ports:
                 ports.append(p)
-    return router_port, ports
+    return [router_port], ports
 
 
-__all__ = ["ClusterError", "PortPlan", "metrics_flags", "plan_ports"]
+__all__ = ["ClusterError", "PortPlan", "metrics_flags", "plan_ports", "router_names"]

@@ -1,7 +1,7 @@
 """``kvroute up``'s command: start the cluster (kvroute_tools.cluster), print the banner, then wait
 for Ctrl-C / SIGTERM, a child's death, or the end of the command given after ``--``, and stop.
 
-    up_main ─▶ LocalCluster.start ─▶ banner ─▶ [CMD with {target} / {http_url} filled in] ─▶ wait ─▶ stop
+    up_main ─▶ LocalCluster.start ─▶ banner ─▶ [CMD with {target} / {targets} / {http_url} filled in] ─▶ wait ─▶ stop
 
 SIGTERM and SIGINT become an exception in the main thread while it waits; the stop that follows is
 one orderly stop that a second signal cannot cut short.
@@ -32,11 +32,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 def substitute(command: Sequence[str], cluster: LocalCluster) -> list[str]:
     """The command with ``{target}`` (the front's host:port: Envoy's listener with ``--gateway envoy``,
-    else the router's), ``{http_url}`` (its OpenAI-compatible HTTP API, ``http://host:port/v1``),
-    ``{redis_url}`` and ``{admin_token_file}`` (the file holding the router's admin token, for
-    SetPolicy) filled in."""
-    return [a.replace("{target}", cluster.front_target).replace("{http_url}", cluster.router_http_url)
-            .replace("{redis_url}", cluster.redis_url).replace("{admin_token_file}", str(cluster.admin_token_file))
+    else the first router's), ``{targets}`` (every router's host:port, comma-separated, the first
+    first; the front alone with ``--gateway envoy``), ``{http_url}`` (the first router's
+    OpenAI-compatible HTTP API, ``http://host:port/v1``), ``{redis_url}`` and ``{admin_token_file}``
+    (the file holding the routers' admin token, for SetPolicy) filled in."""
+    targets = cluster.front_target if cluster.envoy is not None else ",".join(cluster.router_targets)
+    return [a.replace("{targets}", targets).replace("{target}", cluster.front_target)
+            .replace("{http_url}", cluster.router_http_url).replace("{redis_url}", cluster.redis_url)
+            .replace("{admin_token_file}", str(cluster.admin_token_file))
             for a in command]
 
 

@@ -17,7 +17,7 @@ PROMPT_LENGTHS = ("input_length", "hash_ids")
 class BenchConfig:
     """``kvroute bench`` flags (see ``kvroute bench --help``)."""
 
-    target: str
+    target: str  # a router's host:port, or several comma-separated: the requests take turns among them
     trace: str = str(BUNDLED_TRACE)
     requests: int | None = 1000
     tokens_per_block: int = 16
@@ -63,15 +63,27 @@ class BenchConfig:
             raise ValueError(f"--interleave: must be >= 0, got {self.interleave}")
         if self.api not in ("grpc", "openai"):
             raise ValueError(f"--api: expected grpc or openai, got {self.api!r}")
+        if len(set(self.targets)) != len(self.targets) or not all(self.targets):
+            raise ValueError(f"--target: expected HOST:PORT or a comma-separated list of distinct ones, got {self.target!r}")
+        if self.api == "openai" and len(self.targets) > 1:
+            raise ValueError("--target: --api openai sends every request to --http-url; several routers need --api grpc")
         if self.api == "openai" and not self.http_url.startswith(("http://", "https://")):
             raise ValueError(f"--http-url: --api openai needs the HTTP API's URL (http://host:port/v1), got {self.http_url!r}")
         if self.request_timeout <= 0:
             raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
 
     @property
+    def targets(self) -> list[str]:
+        """The routers, in the order the requests take turns among them (request i goes to
+        ``targets[i % len(targets)]``)."""
+        return [t.strip() for t in self.target.split(",")]
+
+    @property
     def mode(self) -> str:
         """How requests are released: the trace's clock (open loop) and/or a concurrency cap."""
         turns = f"; policies take turns every {counted(self.interleave, 'request')}" if self.interleave else ""
+        if len(self.targets) > 1:
+            turns += f"; requests take turns among {counted(len(self.targets), 'router')}"
         turns += f"; over the OpenAI-compatible API at {self.http_url}" if self.api == "openai" else ""
         if self.time_scale is None:
             return f"closed loop, concurrency {self.effective_concurrency}{turns}"

@@ -25,6 +25,10 @@ block: the second policy can never hit what the first one cached, and a later be
 same cluster (a fresh random run id) cannot hit this one's. Other traffic on the cluster during the
 run is counted in the replicas' counters; bench on a cluster nobody else uses.
 
+Several routers (``--target a,b``: routers splitting one stream, as ``kvroute up --routers``
+starts them): request i goes to the (i mod n)-th, every router gets the SetPolicy, and they must
+agree on the routable replicas before the run starts.
+
 Replica addresses come from ``RouterService.Score`` (every replica the router knows, with the
 address it dials). When a replica cannot be reached from here (say, the cluster is behind a
 Kubernetes Service), the hit rate falls back to the responses' usage: cached / prompt tokens.
@@ -65,44 +69,83 @@ class BenchError(Exception):
 
 
 class _Cluster:
-    """The router's stubs and the replicas' (addresses from ``Score``)."""
+    """The routers' stubs (``targets``: request i goes to the (i mod n)-th) and the replicas'
+    (addresses from the first router's ``Score``)."""
 
-    def __init__(self, target: str, openai: OpenAISender | None = None, admin_token: str = ""):
-        self.target = target
+    def __init__(self, targets: Sequence[str], openai: OpenAISender | None = None, admin_token: str = ""):
+        self.targets = list(targets)
         self._admin = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
-        self.channel = grpc.aio.insecure_channel(target)
-        self.gen = gen_grpc.GenerationServiceStub(self.channel)
-        self.router = router_grpc.RouterServiceStub(self.channel)
+        self.channels = [grpc.aio.insecure_channel(t) for t in self.targets]
+        self.gens = [gen_grpc.GenerationServiceStub(ch) for ch in self.channels]
+        self.routers = [router_grpc.RouterServiceStub(ch) for ch in self.channels]
         self._replica_channels: dict[str, grpc.aio.Channel] = {}
         self.openai = openai  # --api openai: the requests go there (SetPolicy and counters stay gRPC)
         self.model = ""
-        self.policy = ""  # the router's active policy, as last read or set
+        self.policies = [""] * len(self.targets)  # each router's active policy, as last read or set
+
+    @property
+    def gen(self) -> gen_grpc.GenerationServiceStub:
+        """The first router's GenerationService (model info)."""
+        return self.gens[0]
+
+    def gen_for(self, p: PlannedRequest) -> gen_grpc.GenerationServiceStub:
+        """The router request ``p`` is sent to: the routers take turns, request by request."""
+        return self.gens[p.index % len(self.gens)]
 
     async def close(self) -> None:
         if self.openai is not None:
             await self.openai.close()
-        for ch in [self.channel, *self._replica_channels.values()]:
+        for ch in [*self.channels, *self._replica_channels.values()]:
             await ch.close(grace=None)
 
-    async def replicas(self) -> tuple[dict[str, str], list[str], str]:
-        """(routable replica_id -> address, every known replica line, the current policy)."""
-        resp = await self.router.Score(
-            router_pb.ScoreRequest(token_ids=gen_pb.TokenIds(ids=[0])), timeout=_RPC_TIMEOUT_S
-        )
+    async def replicas(self) -> tuple[dict[str, str], list[str], list[str]]:
+        """(routable replica_id -> address, every known replica line, each router's current policy),
+        from every router's ``Score``.
+
+        Raises:
+            BenchError: two routers do not see the same routable replicas.
+        """
+        request = router_pb.ScoreRequest(token_ids=gen_pb.TokenIds(ids=[0]))
+        views = []
+        for target, stub in zip(self.targets, self.routers, strict=True):
+            try:
+                views.append(await stub.Score(request, timeout=_RPC_TIMEOUT_S))
+            except grpc.aio.AioRpcError as e:
+                raise BenchError(describe_rpc_error(e, target)) from e
+        resp = views[0]
         routable = {r.replica_id: r.address for r in resp.replicas if r.routable}
+        for target, other in zip(self.targets[1:], views[1:], strict=True):
+            theirs = {r.replica_id: r.address for r in other.replicas if r.routable}
+            if theirs != routable:
+                raise BenchError(f"the routers at {self.targets[0]} and {target} route to different replicas "
+                                 f"({', '.join(sorted(routable)) or 'none'} against {', '.join(sorted(theirs)) or 'none'})")
         lines = [f"{r.replica_id} {r.address} {'routable' if r.routable else 'NOT routable: ' + r.reason}"
                  for r in resp.replicas]
-        self.policy = resp.policy
-        return dict(sorted(routable.items())), lines, resp.policy
+        self.policies = [v.policy for v in views]
+        return dict(sorted(routable.items())), lines, list(self.policies)
 
-    async def set_policy(self, name: str) -> str:
-        """Make ``name`` the router's policy: no call (so no admin token needed) when it already is."""
-        if name == self.policy:
-            return name
-        resp = await self.router.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S,
-                                           metadata=self._admin)
-        self.policy = resp.policy
-        return resp.policy
+    async def set_policy(self, name: str) -> None:
+        """Make ``name`` every router's policy."""
+        await self.set_policies([name] * len(self.targets))
+
+    async def set_policies(self, names: Sequence[str]) -> None:
+        """Make ``names[k]`` router k's policy: no call (so no admin token needed) to a router whose
+        policy it already is.
+
+        Raises:
+            BenchError: a router refused (the message names it, and the admin token when that is why).
+        """
+        for k, (target, stub, name) in enumerate(zip(self.targets, self.routers, names, strict=True)):
+            if self.policies[k] == name:
+                continue
+            try:
+                resp = await stub.SetPolicy(router_pb.SetPolicyRequest(policy=name), timeout=_RPC_TIMEOUT_S,
+                                            metadata=self._admin)
+            except grpc.aio.AioRpcError as e:
+                hint = ("; pass --admin-token-file (kvroute up: {admin_token_file})"
+                        if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) else "")
+                raise BenchError(f"{describe_rpc_error(e, target)}{hint}") from e
+            self.policies[k] = resp.policy
 
     async def counters(self, replicas: dict[str, str]) -> dict[str, rep_pb.Load | None]:
         """Each replica's Load (None where it cannot be reached from here)."""
@@ -134,7 +177,7 @@ async def _send(cluster: _Cluster, p: PlannedRequest, salt: str, run_id: str, ti
     first = last = None
     final = None
     try:
-        call = cluster.gen.GenerateStream(req, timeout=timeout)
+        call = cluster.gen_for(p).GenerateStream(req, timeout=timeout)
         async for resp in call:
             now = time.perf_counter()
             if resp.token_ids:
@@ -274,24 +317,22 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
         raise BenchError(f"--trace: {e}") from e
     if not trace:
         raise BenchError(f"--trace: {cfg.trace} holds no request")
-    cluster = _Cluster(cfg.target, OpenAISender(cfg.http_url) if cfg.api == "openai" else None, cfg.admin_token)
+    cluster = _Cluster(cfg.targets, OpenAISender(cfg.http_url) if cfg.api == "openai" else None, cfg.admin_token)
     try:
         try:
             info = await cluster.gen.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=_RPC_TIMEOUT_S)
-            cluster.model = info.model
-            replicas, lines, original_policy = await cluster.replicas()
         except grpc.aio.AioRpcError as e:
-            raise BenchError(describe_rpc_error(e, cfg.target)) from e
+            raise BenchError(describe_rpc_error(e, cfg.targets[0])) from e
+        cluster.model = info.model
+        replicas, lines, original_policies = await cluster.replicas()
         if not replicas:
             known = "; ".join(lines) or "none"
-            raise BenchError(f"the router at {cfg.target} has no routable replica (known: {known})")
+            raise BenchError(f"the router at {cfg.targets[0]} has no routable replica (known: {known})")
         for policy in cfg.policies:  # refuse an unknown policy before anything runs
             try:
                 await cluster.set_policy(policy)
-            except grpc.aio.AioRpcError as e:
-                hint = ("; pass --admin-token-file (kvroute up: {admin_token_file})"
-                        if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) else "")
-                raise BenchError(f"--policies: {describe_rpc_error(e, cfg.target)}{hint}") from e
+            except BenchError as e:
+                raise BenchError(f"--policies: {e}") from e
 
         whole_blocks = cfg.prompt_length == "hash_ids"
         tok = TraceTokenizer(cfg.tokens_per_block, vocab_size=info.vocab_size, whole_blocks=whole_blocks)
@@ -331,12 +372,10 @@ async def run_bench(cfg: BenchConfig, log=print) -> BenchReport:
                     run.add_counters(before, await cluster.counters(replicas))
         finally:
             progress.close()
-            if original_policy:
-                try:
-                    await cluster.set_policy(original_policy)
-                except grpc.aio.AioRpcError as e:
-                    log(f"warning: could not restore the router's policy {original_policy!r}: "
-                        f"{describe_rpc_error(e, cfg.target)}")
+            try:
+                await cluster.set_policies([p or cluster.policies[k] for k, p in enumerate(original_policies)])
+            except BenchError as e:
+                log(f"warning: could not restore the routers' policies {', '.join(original_policies)}: {e}")
         report.policies = [run.result() for run in runs]
         for p in report.policies:
             p.routed_past = routed_past([planned[r.index].token_ids for r in p.results],

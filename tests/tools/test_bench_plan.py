@@ -156,21 +156,40 @@ def test_rpc_errors_read_as_one_actionable_line():
     assert "overloaded" in describe_rpc_error(_FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"), t)
 
 
-def test_up_fills_in_the_router_target_in_the_command():
-    cluster = LocalCluster(ClusterConfig())
+def test_up_fills_in_the_router_targets_in_the_command():
+    cluster = LocalCluster(ClusterConfig(routers=2))
     try:
         cluster.redis_url = "redis://127.0.0.1:7/0"
 
         class _Router:
-            target = "127.0.0.1:5"
+            def __init__(self, target: str) -> None:
+                self.target = target
 
-        cluster.router = _Router()  # type: ignore[assignment]
+        cluster.routers = [_Router("127.0.0.1:5"), _Router("127.0.0.1:6")]  # type: ignore[list-item]
         cluster.admin_token_file = Path("/run/token")
         assert substitute(["bench", "--target", "{target}", "--x={redis_url}", "--t", "{admin_token_file}"],
                           cluster) == ["bench", "--target", "127.0.0.1:5", "--x=redis://127.0.0.1:7/0", "--t", "/run/token"]
+        assert substitute(["--target", "{targets}"], cluster) == ["--target", "127.0.0.1:5,127.0.0.1:6"]
     finally:
-        cluster.router = None
+        cluster.routers = []
         cluster.stop()
+
+
+def test_up_gives_every_router_its_own_ports_the_first_on_router_port():
+    from kvroute_tools.cluster_ports import plan_ports, router_names
+    from kvroute_tools.redis_server import free_port
+
+    port = free_port()
+    plan = plan_ports(ClusterConfig(replicas=2, routers=3, router_port=port, metrics=True))
+    assert plan.routers[0] == port and len(plan.routers) == 3 and len(plan.router_http) == 3
+    assert len(set(plan.taken())) == len(plan.taken())  # nothing twice
+    assert sorted(plan.metrics) == ["replica-0", "replica-1", "router", "router-1", "router-2"]
+    assert router_names(3) == ["router", "router-1", "router-2"]
+    assert plan_ports(ClusterConfig(routers=2, router_http_port=-1)).router_http == []
+    with pytest.raises(ValueError, match="--routers: must be >= 1"):
+        ClusterConfig(routers=0)
+    with pytest.raises(ValueError, match="--routers: --gateway envoy puts Envoy in front of one router"):
+        ClusterConfig(routers=2, gateway="envoy")
 
 
 def test_up_gives_each_replica_its_http_port_and_metrics_and_refuses_a_taken_one():
