@@ -1,6 +1,6 @@
 """The replica heartbeat: one record, written by replicas and read by routers (DESIGN.md §4).
 
-    replica publisher ──Heartbeat.to_redis()──▶ HSET kvroute:{ns}:replica:{id} (+ PEXPIRE 3 intervals)
+    replica publisher ──Heartbeat.to_redis()──▶ HSET kvroute:{ns:k}:replica:{id} (+ PEXPIRE 3 intervals)
     router consumer  ◀──Heartbeat.from_redis()── HGETALL
 
 Every field is a string in Redis. A heartbeat carries the replica's position in its event stream
@@ -54,7 +54,7 @@ _LOAD_FLOAT_FIELDS = ("usage", "prefill_tokens_per_s", "decode_seconds_per_runni
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """One replica heartbeat, as the Redis hash ``kvroute:{ns}:replica:{replica_id}`` holds it.
+    """One replica heartbeat, as the Redis hash ``kvroute:{ns:k}:replica:{replica_id}`` holds it.
 
     Attributes:
         replica_id, address: who the replica is and where it serves gRPC (``host:port``).

@@ -1,7 +1,7 @@
 """The CacheSnapshot codec: a replica's whole cached set at one stream position (DESIGN.md §4;
 schema ``kvroute.v1.CacheSnapshot`` in proto/kvroute/v1/events.proto).
 
-    replica publisher ──encode_snapshot──▶ SET kvroute:{ns}:snapshot:{id}
+    replica publisher ──encode_snapshot──▶ SET kvroute:{ns:k}:snapshot:{id}
     router consumer   ◀─decode_snapshot─── GET                       (bootstrap, a gap it covers)
     router consumer   ◀─snapshot_position─ GETRANGE 0 SNAPSHOT_HEAD_BYTES-1   (every poll)
 

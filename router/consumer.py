@@ -7,9 +7,9 @@ runs each replica's kvroute.ordering rules and writes the index under ``index_lo
 and snapshots are read through router.consumer_reads, which turns a hostile key into one rejected
 input rather than a lost connection.
 
-    Redis kvroute:{ns}:...       consumer thread (here)              IndexFeed (no I/O)
+    Redis kvroute:{ns:k}:...     consumer thread (here)              IndexFeed (no I/O)
     ─────                        ──────────────────────              ──────────────────
-    events[:k]     ──XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
+    events         ──XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
     snapshot:{id}  ──GET─────────▶ bootstrap, gaps_due ─────────────▶ bootstrap / resync     (index_lock)
                    ──GETRANGE────▶ snapshot_position (its head) ────▶ covers, stall check
     replica:{id}   ──SCAN+HGETALL▶ Heartbeat.from_redis ──▶ ReplicaRegistry ──▶ heartbeat (epoch, stall)
@@ -377,7 +377,7 @@ class EventConsumer:
                 if snap is not None:
                     self.feed.resync(rid, snap)
             if self.feed.request_due(rid, now):
-                client.publish(self.layout.snapshot_requests_channel(), rid)
+                client.publish(self.layout.snapshot_requests_channel(rid), rid)
 
 
 __all__ = ["EventConsumer"]

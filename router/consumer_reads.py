@@ -27,13 +27,21 @@ def read_heartbeats(client: redis.Redis, layout: RedisLayout,
     Raises:
         redis.ConnectionError, redis.TimeoutError: Redis is gone (the consumer reconnects).
     """
-    prefix = layout.heartbeat_key("")
     names: dict[bytes, str] = {}  # heartbeat key -> replica id
     for key in client.scan_iter(match=layout.heartbeat_pattern(), count=1000):
         try:
-            names[key] = key.decode()[len(prefix):]
+            found = layout.heartbeat_replica(key.decode())
         except UnicodeDecodeError:
-            reject(key[len(prefix):][:64].decode(errors="replace"), "heartbeat", "a key that is not UTF-8")
+            reject(key.rpartition(b":")[2][:64].decode(errors="replace"), "heartbeat", "a key that is not UTF-8")
+            continue
+        if found is None:
+            continue  # another namespace's key the pattern's '*' let through
+        rid, in_its_shard = found
+        if in_its_shard:
+            names[key] = rid
+        else:  # its stream and snapshot would be looked for in another shard than the replica's
+            reject(rid[:64], "heartbeat", f"{key.decode()[:128]!r} is not in the replica's event shard "
+                                          f"{layout.shard(rid)} of {layout.num_shards}: is event_shards the same?")
     if not names:
         return []
     pipe = client.pipeline(transaction=False)

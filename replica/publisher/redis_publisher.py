@@ -313,7 +313,7 @@ class RedisEventPublisher(EventPublisher):
             )
             client.ping()
             pubsub = client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(self.layout.snapshot_requests_channel())
+            pubsub.subscribe(self.layout.snapshot_requests_channel(self.replica_id))
         except (redis.RedisError, OSError) as e:
             if not self._logged_down:  # once per outage, not once per retry
                 log.warning(

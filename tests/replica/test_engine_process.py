@@ -273,7 +273,7 @@ def test_snapshot_request_on_redis_pubsub_reaches_the_publisher_in_the_engine_pr
     key = layout.snapshot_key("proc-replica")
     wait_for(lambda: r.get(key))  # the epoch's first snapshot
     before = events_pb2.CacheSnapshot.FromString(r.get(key)).ts
-    r.publish(layout.snapshot_requests_channel(), "proc-replica")
+    r.publish(layout.snapshot_requests_channel("proc-replica"), "proc-replica")
     wait_for(lambda: events_pb2.CacheSnapshot.FromString(r.get(key)).ts > before)
 
 

@@ -196,8 +196,8 @@ def test_snapshot_request_on_the_channel_gets_a_snapshot_at_the_last_seq(server,
         idle_hook_until(lambda: pub.snapshots_written == 1, "the epoch's first snapshot")
         for _ in range(3):
             pub.on_step(cache.step(), LOAD, cache.snapshot)
-        r.publish(layout.snapshot_requests_channel(), "some-other-replica")
-        r.publish(layout.snapshot_requests_channel(), REPLICA)
+        r.publish(layout.snapshot_requests_channel(REPLICA), "some-other-replica")  # its shard's channel
+        r.publish(layout.snapshot_requests_channel(REPLICA), REPLICA)
         idle_hook_until(lambda: pub.snapshots_written == 2, "the requested snapshot")
         snap = read_snapshot(r, layout, REPLICA)
         assert (snap.replica_id, snap.epoch, snap.seq) == (REPLICA, pub.epoch, 4)

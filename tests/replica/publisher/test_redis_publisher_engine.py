@@ -122,7 +122,7 @@ def published_run(default_model_dir):
             settle(aeng, pub)
             wait_for(lambda: pub.snapshots_written >= 1, what="the first snapshot")
             written = pub.snapshots_written
-            r.publish(layout.snapshot_requests_channel(), REPLICA)
+            r.publish(layout.snapshot_requests_channel(REPLICA), REPLICA)
             wait_for(lambda: pub.snapshots_written > written, what="the requested snapshot")
             run_workload(aeng, make_prompts(2, 24))
             expected = settle(aeng, pub)
