@@ -21,6 +21,8 @@ class RedisSettings:
     )
     redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
     redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
+    redis_cluster: bool = setting(False, "redis_url is a seed node of a Redis Cluster (or Valkey cluster);"
+                                         " a comma-separated redis_url of several seeds implies it")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
 

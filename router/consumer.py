@@ -50,7 +50,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvroute.heartbeat import Heartbeat
-from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import RedisLayout
 from kvroute.snapshot import CacheSnapshot
 from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
@@ -84,7 +84,8 @@ class EventConsumer:
     entries) take the same lock.
 
     Args:
-        redis_url: the cluster's Redis (``redis://host:port/db``).
+        redis_url: the cluster's Redis (``redis://host:port/db``; several seeds of a Redis Cluster,
+            comma-separated, or one with ``auth.cluster``).
         layout: the cluster's key layout (namespace, shards).
         index: the index to keep current.
         registry: the replica registry to feed with heartbeats; its ``on_removed`` drops index entries.
@@ -216,7 +217,7 @@ class EventConsumer:
                 if self._needs_bootstrap:
                     self._bootstrap()
                 self._step()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            except LOST_REDIS_ERRORS as e:
                 log.warning("kv consumer: lost Redis (%s); reconnecting", describe_error(self.redis_url, e))
                 self._logged_down = True
                 self._disconnect()
@@ -236,7 +237,7 @@ class EventConsumer:
                 retry=Retry(NoBackoff(), 0),
             )
             client.ping()
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, *LOST_REDIS_ERRORS) as e:
             if not self._logged_down:  # once per outage, not once per retry
                 log.warning("kv consumer: Redis unreachable (%s); retrying", describe_error(self.redis_url, e))
                 self._logged_down = True

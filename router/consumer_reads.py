@@ -12,6 +12,7 @@ from collections.abc import Callable
 import redis
 
 from kvroute.events import EventDecodeError
+from kvroute.redis_connect import LOST_REDIS_ERRORS
 from kvroute.redis_layout import RedisLayout
 from kvroute.snapshot import SNAPSHOT_HEAD_BYTES, CacheSnapshot, decode_snapshot, snapshot_position
 
@@ -25,7 +26,8 @@ def read_heartbeats(client: redis.Redis, layout: RedisLayout,
     snapshot's head)``. A heartbeat that expired between SCAN and HGETALL is left out.
 
     Raises:
-        redis.ConnectionError, redis.TimeoutError: Redis is gone (the consumer reconnects).
+        kvroute.redis_connect.LOST_REDIS_ERRORS: Redis, or a node of a cluster, is gone (the
+            consumer reconnects).
     """
     names: dict[bytes, str] = {}  # heartbeat key -> replica id
     for key in client.scan_iter(match=layout.heartbeat_pattern(), count=1000):
@@ -50,6 +52,10 @@ def read_heartbeats(client: redis.Redis, layout: RedisLayout,
     for rid in names.values():
         pipe.getrange(layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1)
     results = pipe.execute(raise_on_error=False)  # a WRONGTYPE reply stays in its slot
+    # A cluster pipeline also leaves a node's failure in the slots of its commands: that is Redis
+    # lost (the consumer reconnects), not a hostile key.
+    if lost := next((r for r in results if isinstance(r, LOST_REDIS_ERRORS)), None):
+        raise lost
     out = []
     for rid, raw, head in zip(names.values(), results[: len(names)], results[len(names):], strict=True):
         if isinstance(raw, Exception):
@@ -63,6 +69,8 @@ def read_snapshot_position(client: redis.Redis, layout: RedisLayout, rid: str) -
     """(epoch, seq) of ``rid``'s snapshot from its head (a GETRANGE), or None (none, or not one)."""
     try:
         return snapshot_position(client.getrange(layout.snapshot_key(rid), 0, SNAPSHOT_HEAD_BYTES - 1))
+    except LOST_REDIS_ERRORS:  # CLUSTERDOWN and the like are ResponseErrors too
+        raise
     except redis.ResponseError:  # not a string key: read_snapshot rejects it
         return None
 
@@ -75,6 +83,8 @@ def read_snapshot(client: redis.Redis, layout: RedisLayout, rid: str, reject: Re
         if data is None:
             return None
         snap = decode_snapshot(data)
+    except LOST_REDIS_ERRORS:
+        raise
     except (EventDecodeError, redis.ResponseError) as e:
         reject(rid, "snapshot", f"not a snapshot ({e})")
         return None

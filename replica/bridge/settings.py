@@ -28,6 +28,8 @@ class BridgeSettings:
     redis_password: str = setting("", "Redis AUTH password (better from env KVROUTE_REDIS_PASSWORD)", secret=True)
     redis_password_file: str = setting("", "file whose first line is the Redis AUTH password")
     redis_ca_file: str = setting("", "CA bundle that signed the Redis server certificate (rediss:// URLs)")
+    redis_cluster: bool = setting(False, "redis_url is a seed node of a Redis Cluster (or Valkey cluster);"
+                                         " a comma-separated redis_url of several seeds implies it")
     namespace: str = setting(DEFAULT_NAMESPACE, "Redis key namespace of the cluster")
     event_shards: int = setting(1, "number of event streams the cluster shards over")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats (and reads of vLLM's /metrics)")

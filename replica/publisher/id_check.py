@@ -19,7 +19,7 @@ import time
 import redis
 
 from kvroute.heartbeat import Heartbeat
-from kvroute.redis_connect import RedisAuth, connect, describe_error
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error
 from kvroute.redis_layout import RedisLayout
 from replica.publisher.base import ReplicaIdInUseError
 
@@ -76,14 +76,16 @@ def claim_replica_id(
     Raises:
         ReplicaIdInUseError: as :func:`check_replica_id_free`.
     """
-    client = connect(redis_url, auth, socket_connect_timeout=2.0, socket_timeout=5.0)
+    client = None
     try:
+        client = connect(redis_url, auth, socket_connect_timeout=2.0, socket_timeout=5.0)  # a cluster's: connects
         check_replica_id_free(client, layout, replica_id, address)
-    except (redis.RedisError, OSError) as e:
+    except (redis.RedisError, *LOST_REDIS_ERRORS) as e:
         log.warning("replica %s: cannot check Redis for another replica with this id (%s)", replica_id,
                     describe_error(redis_url, e))
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 __all__ = ["check_replica_id_free", "claim_replica_id"]

@@ -8,8 +8,9 @@
       buffer full: drop + count, want a snapshot          (and at once on start_draining; none while
     serving_alive() (the serving process, any thread)      the serving process is silent past the TTL)
                                                           SUBSCRIBE snapshot-requests: want a snapshot
-                                                          Redis down: back off (cap 1 s), reconnect,
-                                                          heartbeat at once, want a fresh snapshot
+                                                          Redis (or a cluster node) down: back off
+                                                          (cap 1 s), reconnect, heartbeat at once,
+                                                          want a fresh snapshot
 
 Guarantees:
 - Batch ``seq`` 1 of an epoch is ``[AllBlocksCleared(None)]`` alone, so readers drop what they knew
@@ -41,7 +42,7 @@ from redis.retry import Retry
 from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
 from kvroute.heartbeat import ENGINE_KVROUTE, EngineLoad, Heartbeat
-from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.snapshot import CacheSnapshot, encode_snapshot
 from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
@@ -288,7 +289,7 @@ class RedisEventPublisher(EventPublisher):
                     continue
             try:
                 self._serve()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            except LOST_REDIS_ERRORS as e:
                 log.warning(
                     "kv publisher: lost Redis (%s); buffering, will reconnect", describe_error(self.redis_url, e)
                 )
@@ -314,7 +315,7 @@ class RedisEventPublisher(EventPublisher):
             client.ping()
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             pubsub.subscribe(self.layout.snapshot_requests_channel(self.replica_id))
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, *LOST_REDIS_ERRORS) as e:
             if not self._logged_down:  # once per outage, not once per retry
                 log.warning(
                     "kv publisher: Redis unreachable (%s); buffering, retrying", describe_error(self.redis_url, e)
@@ -403,14 +404,15 @@ class RedisEventPublisher(EventPublisher):
             return True
         try:
             pipe.execute()
-        except redis.ResponseError:
-            # Redis refused the commands (wrong key type, out of memory): retrying would refuse
-            # again, so the batches are lost like a buffer overflow and a snapshot will follow.
-            log.exception("kv publisher: Redis refused %d buffered items; dropping them", len(items))
-            self._dropped_on_write += num_batches
-            self._snapshot_wanted.set()
-            return True
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, redis.ResponseError) and not isinstance(e, LOST_REDIS_ERRORS):
+                # Redis refused the commands (wrong key type, out of memory): retrying would refuse
+                # again, so the batches are lost like a buffer overflow and a snapshot will follow.
+                # (CLUSTERDOWN, TRYAGAIN, MOVED are ResponseErrors too, of a failover: written again.)
+                log.exception("kv publisher: Redis refused %d buffered items; dropping them", len(items))
+                self._dropped_on_write += num_batches
+                self._snapshot_wanted.set()
+                return True
             with self._lock:  # put them back, oldest first, to be written after the reconnect
                 self._buffer.extendleft(reversed(items))
                 self._num_buffered_batches += num_batches

@@ -35,7 +35,7 @@ def test_the_right_password_indexes_a_replica(server, layout, fake_replicas, tmp
     password_file = tmp_path / "redis-password"
     password_file.write_text(PASSWORD + "\n")
     from_file = RedisAuth.from_settings(type("S", (), dict(
-        redis_password="", redis_password_file=str(password_file), redis_ca_file=""))())
+        redis_password="", redis_password_file=str(password_file), redis_ca_file="", redis_cluster=False))())
     assert from_file.password == PASSWORD and PASSWORD not in repr(from_file)
     rep = fake_replicas("replica-0", auth=RedisAuth(password=PASSWORD))
     rep.steps(3)

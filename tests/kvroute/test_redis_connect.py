@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import redis
 
 from kvroute.redis_connect import RedisAuth, connect, redact
 from kvroute.settings import load_settings
@@ -15,6 +16,7 @@ class _S:
     redis_password: str = ""
     redis_password_file: str = ""
     redis_ca_file: str = ""
+    redis_cluster: bool = False
 
 
 def test_password_from_file_first_line(tmp_path):
@@ -49,6 +51,7 @@ def test_the_settings_repr_has_no_password():
 
 @pytest.mark.parametrize(("url", "shown"), [
     ("redis://:hunter2@10.0.0.1:6379/0", "redis://:***@10.0.0.1:6379/0"),
+    ("redis://:hunter2@a:7000, redis://b:7001", "redis://:***@a:7000,redis://b:7001"),
     ("rediss://default:hunter2@cache:6380/1", "rediss://default:***@cache:6380/1"),
     ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
 ])
@@ -65,4 +68,25 @@ def test_connect_passes_password_and_ca():
 def test_a_bad_url_names_redis_url_without_the_password():
     with pytest.raises(ValueError, match=r"redis_url http://:\*\*\*@h:1") as err:
         connect("http://:hunter2@h:1/0")
+    assert "hunter2" not in str(err.value)
+
+
+def test_settings_name_a_cluster_by_flag_or_environment():
+    from router.settings import RouterSettings
+
+    assert RedisAuth.from_settings(load_settings(RouterSettings, ["--redis-cluster"], env={})).cluster
+    assert RedisAuth.from_settings(load_settings(RouterSettings, [], env={"KVROUTE_REDIS_CLUSTER": "true"})).cluster
+    assert not RedisAuth.from_settings(load_settings(RouterSettings, [], env={})).cluster
+
+
+@pytest.mark.parametrize(("url", "cluster"), [("redis://127.0.0.1:1/0", True),
+                                               ("redis://127.0.0.1:1,redis://127.0.0.1:2", False)])
+def test_a_cluster_none_of_whose_seeds_answers_is_a_connection_error(url, cluster):
+    with pytest.raises(redis.ConnectionError, match="Redis Cluster"):
+        connect(url, RedisAuth(cluster=cluster), socket_connect_timeout=0.5)
+
+
+def test_a_cluster_seed_of_another_scheme_names_redis_url_without_the_password():
+    with pytest.raises(ValueError, match=r"redis_url rediss://:\*\*\*@a:1,redis://b:2: every seed") as err:
+        connect("rediss://:hunter2@a:1,redis://b:2")
     assert "hunter2" not in str(err.value)

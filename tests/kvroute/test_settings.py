@@ -23,8 +23,8 @@ def test_the_shared_redis_and_serving_settings_are_declared_once_for_both_proces
     from router.settings import RouterSettings
 
     shared = {f.name: f for base in (RedisSettings, ServingSettings) for f in dataclasses.fields(base)}
-    assert {"redis_password", "redis_password_file", "redis_ca_file", "namespace", "event_shards", "http_port",
-            "metrics_port", "metrics_host", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "http_tls",
+    assert {"redis_password", "redis_password_file", "redis_ca_file", "redis_cluster", "namespace", "event_shards",
+            "http_port", "metrics_port", "metrics_host", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "http_tls",
             "metrics_tls"} == set(shared)
     for cls in (RouterSettings, ReplicaSettings):
         assert not set(cls.__annotations__) & set(shared), f"{cls.__name__} declares a shared setting again"
