@@ -63,6 +63,11 @@ def seed_urls(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+def is_cluster(url: str, auth: RedisAuth | None) -> bool:
+    """Whether :func:`connect` makes a Redis Cluster client of ``url`` and ``auth``."""
+    return bool(auth and auth.cluster) or len(seed_urls(url)) > 1
+
+
 def redact(url: str) -> str:
     """``url`` (each URL of a comma-separated list) with the password of its userinfo replaced by
     ``***``; safe to log."""
@@ -97,7 +102,7 @@ def connect(url: str, auth: RedisAuth | None = None, **options: Any) -> redis.Re
     seeds = seed_urls(url)
     if seeds and seeds[0].startswith("rediss://") and auth.ca_file:
         kwargs["ssl_ca_certs"] = auth.ca_file
-    if auth.cluster or len(seeds) > 1:
+    if is_cluster(url, auth):
         return _connect_cluster(url, seeds, kwargs)
     try:
         return redis.Redis.from_url(url, **kwargs)
@@ -156,4 +161,4 @@ def __getattr__(name: str) -> Any:  # LOST_REDIS_ERRORS, without importing redis
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RedisAuth", "connect", "describe_error", "redact", "seed_urls"]
+__all__ = ["RedisAuth", "connect", "describe_error", "is_cluster", "redact", "seed_urls"]

@@ -28,7 +28,8 @@ peer policies: SGLang, llm-d, Dynamo, consistent hashing with bounded load), ``l
 accounting), ``core`` (hash + lookup + score + pick), ``proxy`` (the request path), ``channels``
 (replica channels), ``servicers`` / ``server`` (gRPC), ``http_api`` (the OpenAI-compatible HTTP
 front over the same proxy), ``settings``, ``telemetry``; ``consumer_reads`` (the consumer's
-hostile-input-safe reads of heartbeats and snapshots), ``model_limits`` (the limits a request is
+hostile-input-safe reads of heartbeats and snapshots), ``consumer_streams`` (its blocking XREAD
+per event stream, one thread each: a Redis Cluster has each shard in a slot), ``model_limits`` (the limits a request is
 checked against), ``speculative`` (a routed request's blocks credited before its events arrive),
 ``_index`` (the index's compiled loops), ``picker`` (the Envoy endpoint picker).
 """

@@ -5,11 +5,12 @@ is the Redis side (one thread of blocking redis-py calls, so request handling on
 loop never waits on Redis); what it reads goes to :class:`router.consumer_feed.IndexFeed`, which
 runs each replica's kvroute.ordering rules and writes the index under ``index_lock``. Heartbeats
 and snapshots are read through router.consumer_reads, which turns a hostile key into one rejected
-input rather than a lost connection.
+input rather than a lost connection; the streams through router.consumer_streams (a blocking
+XREAD per stream, as a Redis Cluster has each shard's stream in a slot of its own).
 
     Redis kvroute:{ns:k}:...     consumer thread (here)              IndexFeed (no I/O)
     ─────                        ──────────────────────              ──────────────────
-    events         ──XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
+    events (each k) ─XREAD BLOCK─▶ entries ─────────────────────────▶ entry: ordering ──▶ BlockIndex
     snapshot:{id}  ──GET─────────▶ bootstrap, gaps_due ─────────────▶ bootstrap / resync     (index_lock)
                    ──GETRANGE────▶ snapshot_position (its head) ────▶ covers, stall check
     replica:{id}   ──SCAN+HGETALL▶ Heartbeat.from_redis ──▶ ReplicaRegistry ──▶ heartbeat (epoch, stall)
@@ -31,6 +32,12 @@ A heartbeat key that is gone expires the replica (``registry.expire``; its entri
 and its late entries of that epoch are ignored, not followed into a gap: ``IndexFeed.expire``),
 except in the first ``expiry_grace`` seconds after a reconnect, while replicas re-register.
 
+A Redis Cluster that lost a node (a failover: ClusterDownError, TRYAGAIN, a connection error) is
+reconnected without a bootstrap: what its replicas had replicated is still there, so the stream
+positions stay, and what the failover lost shows as a seq gap of each replica concerned, resynced
+from its snapshot (re-reading every shard's stream on every failover would cost each router a
+full replay). A single Redis may have restarted empty, so a reconnect to it bootstraps.
+
 The index only holds replicas that are routable, or not yet seen in a heartbeat: the registry's
 ``on_removed`` drops a replica's entries when it expires or stops being routable (discovery removed
 it, or its hash triple is refused); if it comes back, a snapshot resyncs it.
@@ -50,11 +57,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvroute.heartbeat import Heartbeat
-from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, redact
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, is_cluster, redact
 from kvroute.redis_layout import RedisLayout
 from kvroute.snapshot import CacheSnapshot
 from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
 from router.consumer_reads import read_heartbeats, read_snapshot, read_snapshot_position
+from router.consumer_streams import StreamReads
 from router.index import BlockIndex
 from router.registry import ReplicaInfo, ReplicaRegistry
 
@@ -90,7 +98,7 @@ class EventConsumer:
         index: the index to keep current.
         registry: the replica registry to feed with heartbeats; its ``on_removed`` drops index entries.
         heartbeat_poll_interval: seconds between heartbeat polls (expiry is noticed this late).
-        block_ms: XREAD BLOCK timeout; also how late ``stop`` can be.
+        block_ms: XREAD BLOCK timeout (each stream's); also how late ``stop`` can be.
         expiry_grace: seconds after a reconnect during which missing heartbeats expire nobody.
         index_lock: the lock shared with the index's other users (default: a new one).
         auth: the Redis credentials (kvroute.redis_connect; default none).
@@ -131,6 +139,7 @@ class EventConsumer:
             raise ValueError("heartbeat_poll_interval, block_ms: must be > 0")
         self.redis_url = redis_url
         self.auth = auth
+        self._cluster = is_cluster(redis_url, auth)
         self.layout = layout
         self.index = index
         self.registry = registry
@@ -142,8 +151,10 @@ class EventConsumer:
 
         # Consumer-thread state.
         self._client: redis.Redis | None = None
+        self._reads: StreamReads | None = None
         self._stream_ids: dict[str, bytes] = {}
         self._backlog_until: dict[str, tuple[int, int]] = {}
+        self._behind: set[str] = set()  # streams not read to their end yet (a full reply, or the backlog)
         self._needs_bootstrap = True
         self._bootstrapped_once = False
         self._grace_until = 0.0
@@ -205,6 +216,16 @@ class EventConsumer:
 
     # -- the consumer thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        streams = self.layout.all_event_streams()
+        # One XREAD may name several streams only within one hash slot: a cluster's are one each.
+        self._reads = StreamReads([[s] for s in streams] if self._cluster else [streams], _XREAD_COUNT)
+        try:
+            self._follow()
+        finally:
+            self._disconnect()
+            self._reads.close()
+
+    def _follow(self) -> None:
         backoff = _MIN_BACKOFF_S
         while not self._stop.is_set():
             if self._client is None:
@@ -226,7 +247,6 @@ class EventConsumer:
                 log.exception("kv consumer: unexpected error; reconnecting")
                 self._disconnect()
                 self._stop.wait(_MAX_BACKOFF_S)
-        self._disconnect()
 
     def _connect(self) -> bool:
         try:
@@ -242,17 +262,23 @@ class EventConsumer:
                 log.warning("kv consumer: Redis unreachable (%s); retrying", describe_error(self.redis_url, e))
                 self._logged_down = True
             return False
+        resume = self._bootstrapped_once and self._cluster
         if self._bootstrapped_once:
             self.reconnects += 1
-            log.info("kv consumer: reconnected to Redis at %s; re-bootstrapping", redact(self.redis_url))
+            log.info("kv consumer: reconnected to Redis at %s; %s", redact(self.redis_url),
+                     "following the streams on (a cluster's failover)" if resume else "re-bootstrapping")
         self._logged_down = False
         self._client = client
         self.connected = True
-        self._needs_bootstrap = True
+        self._needs_bootstrap = not resume
+        if resume:  # the replicas re-register on the new nodes meanwhile
+            self._grace_until = time.monotonic() + self.expiry_grace
         return True
 
     def _disconnect(self) -> None:
         self.connected = False
+        if self._reads is not None:  # what reads on this client bring back is not applied
+            self._reads.reset()
         if self._client is not None:
             with contextlib.suppress(Exception):  # closing a dead connection
                 self._client.close()
@@ -266,11 +292,12 @@ class EventConsumer:
         self._grace_until = time.monotonic() + self.expiry_grace if reconnect else 0.0
         self._caught_up = False
         streams = self.layout.all_event_streams()
-        self._stream_ids = dict.fromkeys(streams, b"0-0")
+        self._stream_ids = dict.fromkeys(streams, b"0-0")  # (no reads out: _disconnect reset them)
         self._backlog_until = {}
         for stream in streams:
             last = client.xrevrange(stream, count=1)
             self._backlog_until[stream] = _parse_id(last[0][0]) if last else (0, 0)
+        self._behind = {stream for stream, last in self._backlog_until.items() if last > (0, 0)}
         heartbeats = self._poll_heartbeats(bootstrap=True)
         for rid, info in heartbeats.items():
             if info.routable:
@@ -280,9 +307,9 @@ class EventConsumer:
         self._bootstrapped_once = True
 
     def _step(self) -> None:
-        """One round: removals, heartbeats when due, open gaps, one XREAD and its entries."""
+        """One round: removals, heartbeats when due, open gaps, the XREADs back by then and their entries."""
         client = self._client
-        assert client is not None
+        assert client is not None and self._reads is not None
         self._handle_removals()
         now = time.monotonic()
         if now >= self._next_heartbeat_poll:
@@ -291,15 +318,11 @@ class EventConsumer:
         self._service_gaps()
         block = min(self.block_ms, int(SNAPSHOT_POLL_S * 1000)) if self.feed.any_gap else self.block_ms
         block = max(1, min(block, int((self._next_heartbeat_poll - time.monotonic()) * 1000) + 1))
-        resp = client.xread(self._stream_ids, count=_XREAD_COUNT, block=block)
-        caught_up = True
-        items = resp.items() if isinstance(resp, dict) else (resp or ())
-        for stream, entries in items:
-            if not entries:
-                continue
-            name = stream.decode() if isinstance(stream, bytes) else stream
+        for name, entries in self._reads.read(client, self._stream_ids, block):
             if len(entries) >= _XREAD_COUNT:
-                caught_up = False
+                self._behind.add(name)  # more to read at once
+            else:
+                self._behind.discard(name)  # read to the end it had when the reply left
             backlog = self._backlog_until.get(name)
             for entry_id, fields in entries:
                 try:
@@ -309,7 +332,7 @@ class EventConsumer:
                 except Exception as e:  # noqa: BLE001 - one entry must not stall every replica
                     self.feed.reject(replica_of(fields), "error", f"entry {entry_id!r}: {e!r}", exc_info=True)
             self._stream_ids[name] = entries[-1][0]
-        self._caught_up = caught_up
+        self._caught_up = caught_up = not self._behind
         if caught_up:
             self._backlog_until = {}
             if not self._ready.is_set():
