@@ -1,6 +1,7 @@
 """The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
 existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
-discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS, Istio's picker TLS): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
+discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS, Istio's picker TLS, the model
+downloaded from a Hub): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
 (kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
 in strict mode, and the chart's contract with the code holds (appVersion, setting names)."""
 
@@ -62,6 +63,11 @@ MATRIX = {
     "vllm-static": {"replica": {"engine": "vllm"}, "router": {"discovery": "static"}},
     "vllm-inference-pool": {"replica": {"engine": "vllm"}, "router": {"discovery": "redis"},
                             "gateway": {"mode": "inferencePool"}},
+    "model-download": {"replica": {"model": {"source": "download", "download": {
+        "repo": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "https://hub.example.com", "tokenSecret": {"name": "hf-token"},
+        "image": {"repository": "registry.example.com/hf-downloader", "tag": "1.2", "digest": "sha256:" + "d" * 64}}}}},
+    "vllm-model-download": {"replica": {"engine": "vllm", "model": {"source": "download", "download": {
+        "repo": "Qwen/Qwen2.5-0.5B-Instruct"}}}},
     "inference-pool-istio-picker-tls": {"gateway": {"mode": "inferencePool", "inferencePool": {
         "istio": {"destinationRule": {"enabled": True}}}}, "tls": {"enabled": True, "existingSecret": "kvr-tls", "mutual": True}},
 }

@@ -76,3 +76,20 @@ def test_a_third_party_image_without_a_tag_is_rejected_naming_the_key():
     # Only kvroute's own images default an empty tag (to the chart's appVersion).
     assert "at '/redis/image/tag': minLength" in _rejection({"redis": {"image": {"tag": ""}}})
     assert "at '/replica/vllm/image/tag': minLength" in _rejection({"replica": {"vllm": {"image": {"tag": ""}}}})
+
+
+def test_a_model_download_value_of_the_wrong_shape_is_rejected_naming_the_key():
+    def download(**values) -> dict:
+        return {"replica": {"model": {"source": "download", "download": {"repo": "Qwen/Qwen2.5-0.5B-Instruct", **values}}}}
+
+    assert "at '/replica/model/source': value must be one of" in _rejection({"replica": {"model": {"source": "s3"}}})
+    # A URL where the repo id goes (the Hub's URL is `endpoint`), and an endpoint without its scheme.
+    assert "at '/replica/model/download/repo'" in _rejection(download(repo="https://huggingface.co/Qwen/Qwen2.5-0.5B"))
+    assert "at '/replica/model/download/endpoint'" in _rejection(download(endpoint="hub.example.com"))
+    assert "at '/replica/model/download/revision': minLength" in _rejection(download(revision=""))
+    assert "additional properties 'tokensecret'" in _rejection(download(tokensecret={"name": "hf"}))
+    # An image of one's own needs its tag (only kvroute's own images default theirs).
+    image = {"repository": "registry.example.com/hf-downloader"}
+    assert "at '/replica/model/download/image/tag'" in _rejection(download(image=image))
+    assert "at '/replica/model/download/image/digest'" in _rejection(download(image={**image, "tag": "1", "digest": "1"}))
+    assert render(download(image={**image, "tag": "1.2"}, endpoint="http://hub.internal:8080/hf"))

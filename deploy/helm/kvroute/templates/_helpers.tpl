@@ -275,27 +275,43 @@ failureThreshold: {{ .probe.failureThreshold }}
 {{- end }}
 
 {{/*
-The model volume and where the model folder is in it: `generate` writes the default model
-into an emptyDir with an init container (replica image), `pvc` / `hostPath` mount an existing one.
+The model volume and where the model folder is in it: `generate` writes the default model and
+`download` fetches a Hugging Face repo into an emptyDir with an init container; `pvc` / `hostPath`
+mount an existing one.
 */}}
 {{- define "kvroute.modelVolume" -}}
+{{- $m := .Values.replica.model }}
 - name: models
-{{- if eq .Values.replica.model.source "pvc" }}
+{{- if eq $m.source "pvc" }}
   persistentVolumeClaim:
-    claimName: {{ required "replica.model.claimName is required with model.source pvc" .Values.replica.model.claimName }}
+    claimName: {{ required "replica.model.claimName is required with model.source pvc" $m.claimName }}
     readOnly: true
-{{- else if eq .Values.replica.model.source "hostPath" }}
+{{- else if eq $m.source "hostPath" }}
   hostPath:
-    path: {{ required "replica.model.hostPath is required with model.source hostPath" .Values.replica.model.hostPath }}
+    path: {{ required "replica.model.hostPath is required with model.source hostPath" $m.hostPath }}
     type: Directory
+{{- else if eq $m.source "download" }}
+  emptyDir:
+    sizeLimit: {{ $m.download.sizeLimit }}
 {{- else }}
   emptyDir: {}
 {{- end }}
 {{- end }}
+{{/* The model folder the engine and the routers' tokenizer read (every source but `generate`):
+/models/<model.path>; with `download` and no path, the repo's name (the folder name is the served
+model's name). */}}
+{{- define "kvroute.modelDir" -}}
+{{- $m := .Values.replica.model }}
+{{- $path := $m.path }}
+{{- if and (eq $m.source "download") (not $path) }}
+{{- $path = base $m.download.repo }}
+{{- end }}
+{{- printf "/models/%s" ($path | trimPrefix "/") | trimSuffix "/" }}
+{{- end }}
 {{- define "kvroute.modelEnv" -}}
 {{- if ne .Values.replica.model.source "generate" }}
 - name: KVROUTE_MODEL
-  value: {{ printf "/models/%s" (.Values.replica.model.path | trimPrefix "/") | trimSuffix "/" | quote }}
+  value: {{ include "kvroute.modelDir" . | quote }}
 {{- end }}
 {{- end }}
 {{- define "kvroute.modelMount" -}}
@@ -304,29 +320,78 @@ into an emptyDir with an init container (replica image), `pvc` / `hostPath` moun
   readOnly: {{ ne .Values.replica.model.source "generate" }}
 {{- end }}
 
-{{/* The init container that generates the default model (model.source generate). */}}
+{{/*
+The init container that fills the model volume (model.source generate or download; none
+otherwise). Pass (dict "ctx" $ "component" "router").
+- generate: kvroute_tools.resolve_model writes the default model to /models.
+- download: huggingface_hub's snapshot_download fetches model.download.repo at its revision from
+  HF_ENDPOINT (the Hub, or a Hub-compatible mirror or proxy) into kvroute.modelDir, the folder
+  the engine then reads as it would a PVC's.
+The routers only tokenize: they run their own image (no torch, no CUDA replica image to pull;
+model.download.image, when set, downloads in both) and take the folder without weights
+(generate: --tokenizer-only; download: only the files kvroute.tokenizer and
+kvroute.prompt.PromptTokenizer read).
+*/}}
 {{- define "kvroute.generateModelInit" -}}
 {{- $ := .ctx }}
-{{- if eq $.Values.replica.model.source "generate" }}
-{{- /* The routers only tokenize: their own image writes the folder without weights or torch,
-instead of pulling the (CUDA) replica image. */}}
+{{- $m := $.Values.replica.model }}
+{{- if has $m.source (list "generate" "download") }}
 {{- $router := eq .component "router" }}
 {{- $image := ternary $.Values.router.image $.Values.replica.image $router }}
-- name: generate-model
+{{- if and (eq $m.source "download") $m.download.image.repository }}
+{{- $image = $m.download.image }}
+{{- end }}
+- name: {{ $m.source }}-model
   image: {{ include "kvroute.image" (dict "ctx" $ "image" $image) }}
   imagePullPolicy: {{ $image.pullPolicy }}
+  {{- if eq $m.source "generate" }}
   command: {{ concat (list "python" "-m" "kvroute_tools.resolve_model") (ternary (list "--tokenizer-only") list $router) (list "" "/models") | toJson }}
   env:
     - name: HOME
       value: /tmp
+  {{- else }}
+  {{- $d := $m.download }}
+  {{- /* The values go in as arguments, not into the code: a repo id or revision is never Python. */}}
+  {{- $code := "import sys; from huggingface_hub import snapshot_download; snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3], allow_patterns=sys.argv[4:] or None)" }}
+  {{- $tokenizerFiles := list "tokenizer.json" "tokenizer_config.json" "special_tokens_map.json" "chat_template.jinja" "generation_config.json" "config.json" }}
+  {{- $repo := required "replica.model.download.repo is required with model.source download (a Hugging Face repo id, e.g. Qwen/Qwen2.5-0.5B-Instruct)" $d.repo }}
+  command: {{ concat (list "python" "-c" $code $repo $d.revision (include "kvroute.modelDir" $)) (ternary $tokenizerFiles list $router) | toJson }}
+  env:
+    - name: HOME
+      value: /tmp
+    # huggingface_hub's own files (Xet's caches) go to the volume, beside the model folder: the root
+    # filesystem is read-only.
+    - name: HF_HOME
+      value: /models/.huggingface
+    # A one-off download: no Xet chunk cache (up to 10 GB in some builds) eating the sizeLimit.
+    - name: HF_XET_CHUNK_CACHE_SIZE_BYTES
+      value: "0"
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $d.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $d.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $d.tokenSecret.key }}
+    {{- end }}
+  {{- end }}
   securityContext:
     {{- toYaml $.Values.securityContext | nindent 4 }}
   resources:
+    {{- if eq $m.source "generate" }}
     requests:
       cpu: 100m
       memory: 256Mi
     limits:
       memory: 2Gi
+    {{- else }}
+    {{- toYaml $m.download.resources | nindent 4 }}
+    {{- end }}
   volumeMounts:
     - name: models
       mountPath: /models

@@ -8,7 +8,7 @@ beside it, which writes vLLM's events, load and address to Redis as a kvroute re
 {{- if eq .Values.replica.model.source "generate" -}}
 /models/kvroute-tiny-llama
 {{- else -}}
-{{ printf "/models/%s" (.Values.replica.model.path | trimPrefix "/") | trimSuffix "/" }}
+{{ include "kvroute.modelDir" . }}
 {{- end -}}
 {{- end }}
 
