@@ -2,14 +2,30 @@
 repo (huggingface_hub's ``snapshot_download``, from ``HF_ENDPOINT``: the Hub or a Hub-compatible
 mirror) into the model emptyDir, and the engine (kvroute's or vLLM) reads that folder as it reads a
 PVC's; the routers' init container fetches the same repo's tokenizer files only, with the router
-image (no torch). Rendered by Helm's engine."""
+image (no torch). Rendered by Helm's engine, then run: the rendered init containers against a local
+Hub-compatible server, a replica serving the downloaded model and a router tokenizing with the
+files it fetched."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
 import pytest
 
+from kvroute.v1 import generation_pb2 as gen_pb
+from kvroute.v1 import generation_pb2_grpc as gen_grpc
+from kvroute_tools.health import check_health
 from tests.deploy.chart import (
     FULLNAME,
+    NAMESPACE,
     container,
     env_of,
     find,
@@ -17,6 +33,8 @@ from tests.deploy.chart import (
     render,
     unknown_kvroute_env,
 )
+from tests.deploy.local_pods import local_cluster
+from tests.support import wait_for
 
 ROUTER, REPLICA, REDIS = f"{FULLNAME}-router", f"{FULLNAME}-replica", f"{FULLNAME}-redis"
 QWEN = {"repo": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "https://artifactory.example.com/api/huggingfaceml/hf",
@@ -111,3 +129,80 @@ def test_download_without_a_repo_is_refused_naming_the_key():
         render({"replica": {"model": {"source": "download"}}})
     with pytest.raises(Exception, match=r"replica\.model\.download\.repo is required"):
         render({"replica": {"model": {"source": "download", "path": "llama"}}})
+
+
+# -- the rendered pods run against a local Hub-compatible server -----------------------------------
+
+@contextlib.contextmanager
+def _hub(repo: str, files: dict[str, bytes]) -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+    """A Hub-compatible server of one repo at one commit, serving what snapshot_download asks (the
+    revision and tree APIs, HEAD and GET of ``resolve``). Yields its URL and the (path,
+    Authorization) of each request; stops it."""
+    sha, seen = "1" * 40, []
+    tree = [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()} for f, b in files.items()]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self, head: bool = False) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            path, api = urlsplit(self.path).path, f"/api/models/{repo}/"
+            name = path.removeprefix(f"/{repo}/resolve/{sha}/")
+            if path.startswith(api + "revision/"):
+                body, headers = json.dumps({"id": repo, "sha": sha}).encode(), {}
+            elif path.startswith(api + "tree/"):
+                body, headers = json.dumps(tree).encode(), {}
+            elif name in files:
+                body, headers = files[name], {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha1(files[name]).hexdigest()}"'}
+            else:
+                return self.send_error(404)
+            self.send_response(200)
+            for key, value in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:
+            self.do_GET(head=True)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", seen
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow  # about 10 s: one model load on the CPU
+def test_the_rendered_download_runs_against_a_hub_mirror_and_the_router_serves_the_replicas_model(tmp_path: Path):
+    from replica.model.default_model import build_default_model_files
+
+    files = {**build_default_model_files(0, weights=True), "README.md": b"# tiny llama\n"}
+    values = {"router": {"replicas": 1, "discovery": "static", "autoscaling": {"enabled": False}},
+              "replica": {"replicas": 1, "gpu": 0, "settings": {"num_blocks": 256, "torch_threads": 1}}}
+    with _hub("kvroute/tiny-llama", files) as (url, seen):
+        docs = _download({"repo": "kvroute/tiny-llama", "endpoint": url, "tokenSecret": {"name": "hf-token"}}, **values)
+        with local_cluster(docs, NAMESPACE, tmp_path) as (local, _):
+            # kubectl create secret generic hf-token --from-literal=token=...
+            local.secrets["hf-token"] = {"token": "hf_mirror_token"}
+            [redis_pod] = local.add_pods(find(docs, "StatefulSet", REDIS))
+            [replica] = local.add_pods(find(docs, "StatefulSet", REPLICA))
+            [router] = local.add_pods(find(docs, "Deployment", ROUTER))
+            for pod, name in ((redis_pod, "redis"), (replica, "replica"), (router, "router")):
+                local.start(pod)  # the init containers first: the downloads
+                local.wait_started_and_ready(pod, name)
+
+            replica_files, router_files = ({p.name for p in (pod.root / "volumes" / "models" / "tiny-llama").iterdir()
+                                            if not p.name.startswith(".")} for pod in (replica, router))
+            assert replica_files == set(files) and router_files == set(files) & set(TOKENIZER_FILES)
+            assert seen and {auth for _, auth in seen} == {"Bearer hf_mirror_token"}
+            # Routable: the replica's heartbeat names the model the router's folder does.
+            wait_for(lambda: "1 routable" in check_health(f"{router.ip}:50050").line, 60, "the replica routable")
+            with grpc.insecure_channel(f"{router.ip}:50050") as ch:
+                stub = gen_grpc.GenerationServiceStub(ch)
+                assert stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=10).model == "tiny-llama"
+                resp = stub.Generate(gen_pb.GenerateRequest(text="a downloaded model", sampling=gen_pb.SamplingParams(
+                    max_tokens=3, temperature=0.0, ignore_eos=True)), timeout=60)
+            assert resp.usage.completion_tokens == 3 and resp.routing.replica_id == replica.name
