@@ -132,6 +132,21 @@ def _connect_cluster(url: str, seeds: list[str], kwargs: dict[str, Any]) -> redi
         raise ValueError(f"redis_url {redact(url)}: {e}") from e
 
 
+def ping(client: redis.Redis) -> None:
+    """PING ``client``'s Redis; of a cluster, also that the node answering says the cluster is up
+    (one whose master failed answers PING until a replica takes over, and refuses every key).
+
+    Raises:
+        LOST_REDIS_ERRORS: Redis, or the cluster, is not up.
+    """
+    from redis.cluster import RedisCluster
+    from redis.exceptions import ClusterDownError
+
+    client.ping()
+    if isinstance(client, RedisCluster) and (state := client.cluster_info().get("cluster_state")) != "ok":
+        raise ClusterDownError(f"cluster_state {state}")
+
+
 def describe_error(url: str, error: BaseException) -> str:
     """One line for a failed Redis call on ``url``: the redacted URL, the error, and for an AUTH
     refusal what to set (``redis_password`` / ``redis_password_file``)."""
@@ -161,4 +176,4 @@ def __getattr__(name: str) -> Any:  # LOST_REDIS_ERRORS, without importing redis
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RedisAuth", "connect", "describe_error", "is_cluster", "redact", "seed_urls"]
+__all__ = ["RedisAuth", "connect", "describe_error", "is_cluster", "ping", "redact", "seed_urls"]

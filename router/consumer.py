@@ -57,7 +57,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvroute.heartbeat import Heartbeat
-from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, is_cluster, redact
+from kvroute.redis_connect import (
+    LOST_REDIS_ERRORS,
+    RedisAuth,
+    connect,
+    describe_error,
+    is_cluster,
+    ping,
+    redact,
+)
 from kvroute.redis_layout import RedisLayout
 from kvroute.snapshot import CacheSnapshot
 from router.consumer_feed import SNAPSHOT_POLL_S, IndexFeed, replica_of
@@ -161,6 +169,7 @@ class EventConsumer:
         self._next_heartbeat_poll = 0.0
         self._caught_up = False
         self._logged_down = False
+        self._reconnect_pending = False  # connected again after a bootstrap; not counted yet
         # Shared.
         self._removed: deque[str] = deque()  # on_removed calls, from any thread, handled here
         self._stop = threading.Event()
@@ -228,21 +237,26 @@ class EventConsumer:
     def _follow(self) -> None:
         backoff = _MIN_BACKOFF_S
         while not self._stop.is_set():
-            if self._client is None:
-                if not self._connect():
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, _MAX_BACKOFF_S)
-                    continue
-                backoff = _MIN_BACKOFF_S
+            if self._client is None and not self._connect():
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                continue
             try:
                 if self._needs_bootstrap:
                     self._bootstrap()
                 self._step()
+                if self._logged_down or self._reconnect_pending:
+                    self._back_up()
+                backoff = _MIN_BACKOFF_S
             except LOST_REDIS_ERRORS as e:
-                log.warning("kv consumer: lost Redis (%s); reconnecting", describe_error(self.redis_url, e))
-                self._logged_down = True
+                if not self._logged_down:  # once per outage: a failover can take many tries
+                    log.warning("kv consumer: lost Redis (%s); reconnecting", describe_error(self.redis_url, e))
+                    self._logged_down = True
                 self._disconnect()
-                self._stop.wait(_MIN_BACKOFF_S)
+                # A cluster mid-failover may take the connection and fail the reads: not at once again.
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                continue
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 log.exception("kv consumer: unexpected error; reconnecting")
                 self._disconnect()
@@ -256,24 +270,30 @@ class EventConsumer:
                 socket_timeout=self.block_ms / 1000 + 5.0,
                 retry=Retry(NoBackoff(), 0),
             )
-            client.ping()
+            ping(client)
         except (redis.RedisError, *LOST_REDIS_ERRORS) as e:
             if not self._logged_down:  # once per outage, not once per retry
                 log.warning("kv consumer: Redis unreachable (%s); retrying", describe_error(self.redis_url, e))
                 self._logged_down = True
             return False
         resume = self._bootstrapped_once and self._cluster
-        if self._bootstrapped_once:
-            self.reconnects += 1
-            log.info("kv consumer: reconnected to Redis at %s; %s", redact(self.redis_url),
-                     "following the streams on (a cluster's failover)" if resume else "re-bootstrapping")
-        self._logged_down = False
+        self._reconnect_pending = self._bootstrapped_once
         self._client = client
         self.connected = True
         self._needs_bootstrap = not resume
         if resume:  # the replicas re-register on the new nodes meanwhile
             self._grace_until = time.monotonic() + self.expiry_grace
         return True
+
+    def _back_up(self) -> None:
+        """A round went through on a new connection, or after an outage: it is over (logged and
+        counted once, not once per try of a flapping failover)."""
+        self._logged_down = False
+        if self._reconnect_pending:
+            self._reconnect_pending = False
+            self.reconnects += 1
+            log.info("kv consumer: reconnected to Redis at %s; %s", redact(self.redis_url),
+                     "followed the streams on (a cluster)" if self._cluster else "re-bootstrapped")
 
     def _disconnect(self) -> None:
         self.connected = False

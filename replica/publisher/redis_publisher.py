@@ -42,7 +42,7 @@ from redis.retry import Retry
 from kvroute.engine_info import EngineInfo
 from kvroute.events import AllBlocksCleared, KVCacheEvent, encode_batch
 from kvroute.heartbeat import ENGINE_KVROUTE, EngineLoad, Heartbeat
-from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, redact
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect, describe_error, ping, redact
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ, RedisLayout
 from kvroute.snapshot import CacheSnapshot, encode_snapshot
 from replica.publisher.base import EventPublisher, PublisherStats, SnapshotFn
@@ -155,8 +155,9 @@ class RedisEventPublisher(EventPublisher):
         self._thread: threading.Thread | None = None
         self._client: redis.Redis | None = None
         self._pubsub: redis.client.PubSub | None = None
-        self._ever_connected = False
+        self._ever_up = False
         self._logged_down = False
+        self._backoff = _MIN_BACKOFF_S
         self._serving_said: float | None = None  # time.monotonic() of the last serving_alive(); None: never told
         self._logged_silent = False
 
@@ -278,23 +279,21 @@ class RedisEventPublisher(EventPublisher):
 
     # -- the publisher thread -------------------------------------------------------------------
     def _run(self) -> None:
-        backoff = _MIN_BACKOFF_S
         while not self._stop.is_set():
-            if not self.connected:
-                if self._connect():
-                    backoff = _MIN_BACKOFF_S
-                else:
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, _MAX_BACKOFF_S)
-                    continue
+            if not self.connected and not self._connect():
+                self._back_off()
+                continue
             try:
                 self._serve()
             except LOST_REDIS_ERRORS as e:
-                log.warning(
-                    "kv publisher: lost Redis (%s); buffering, will reconnect", describe_error(self.redis_url, e)
-                )
-                self._logged_down = True
+                if not self._logged_down:  # once per outage: a failover can take many tries
+                    log.warning(
+                        "kv publisher: lost Redis (%s); buffering, will reconnect", describe_error(self.redis_url, e)
+                    )
+                    self._logged_down = True
                 self._disconnect()
+                # A cluster mid-failover may take the connection and refuse the writes: not at once again.
+                self._back_off()
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 log.exception("kv publisher: unexpected error; reconnecting")
                 self._disconnect()
@@ -307,12 +306,16 @@ class RedisEventPublisher(EventPublisher):
                 log.warning("kv publisher: final flush failed (%s)", e)
         self._disconnect()
 
+    def _back_off(self) -> None:
+        self._stop.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
+
     def _connect(self) -> bool:
         try:
             client = connect(
                 self.redis_url, self.auth, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
             )
-            client.ping()
+            ping(client)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             pubsub.subscribe(self.layout.snapshot_requests_channel(self.replica_id))
         except (redis.RedisError, *LOST_REDIS_ERRORS) as e:
@@ -322,12 +325,7 @@ class RedisEventPublisher(EventPublisher):
                 )
                 self._logged_down = True
             return False
-        self._logged_down = False
         self._client, self._pubsub = client, pubsub
-        if self._ever_connected:
-            self.reconnects += 1
-            log.info("kv publisher: reconnected to Redis at %s", redact(self.redis_url))
-        self._ever_connected = True
         self.connected = True
         # Readers may have missed anything while we were away: a fresh snapshot lets them resync.
         self._snapshot_wanted.set()
@@ -344,6 +342,7 @@ class RedisEventPublisher(EventPublisher):
     def _serve(self) -> None:
         """Write heartbeats, batches and snapshots until stopped or Redis fails (raises)."""
         self._write_heartbeat()
+        self._up()
         next_heartbeat = time.monotonic() + self.heartbeat_interval
         while not self._stop.is_set():
             self._wake.clear()
@@ -358,6 +357,15 @@ class RedisEventPublisher(EventPublisher):
                 next_heartbeat = now + self.heartbeat_interval
             if not self._buffer:
                 self._wake.wait(min(_IDLE_POLL_S, max(next_heartbeat - time.monotonic(), 0.0)))
+
+    def _up(self) -> None:
+        """The first write on a new connection went through: the outage, if any, is over."""
+        self._backoff = _MIN_BACKOFF_S
+        self._logged_down = False
+        if self._ever_up:
+            self.reconnects += 1
+            log.info("kv publisher: reconnected to Redis at %s", redact(self.redis_url))
+        self._ever_up = True
 
     def _poll_requests(self) -> None:
         assert self._pubsub is not None
