@@ -1,15 +1,25 @@
 """Test helpers for the KV-event path (``from tests.support_redis import ...``): a throwaway
 redis-server, readers of what replicas wrote to it, replicas without an engine (a real
-RedisEventPublisher fed random events), and a running router consumer with its sync checks.
+RedisEventPublisher fed random events), and a running router consumer with its sync checks,
+in this process or in a child one (``ConsumerProcess``: a router a test can freeze).
 
 A module uses a fixture here by assigning it to the name its tests take (``server =
-support_redis.redis_server``)."""
+support_redis.redis_server``).
+
+``python -m tests.support_redis REDIS_URL NAMESPACE SHARDS`` is ConsumerProcess's child."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import random
+import select
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,19 +226,101 @@ def indexed(consumer, replica_id: str) -> dict[str, dict[int, int]]:
         return {m: consumer.index.cached_set(replica_id, m) for m in MEDIA}
 
 
+def consumer_view(consumer) -> dict[str, Any]:
+    """What a running consumer knows, as values: ``epochs`` (replica -> its registered epoch),
+    ``entries`` (consumer.entries()), ``index`` (replica -> :func:`indexed`), ``stats``."""
+    entries = consumer.entries()
+    return {"epochs": {i.replica_id: i.epoch for i in consumer.registry.all()}, "entries": entries,
+            "index": {rid: indexed(consumer, rid) for rid in entries},
+            "stats": {k: v for k, v in consumer.stats().items() if k != "entries"}}
+
+
 def in_sync(consumer, replicas: list[FakeReplica]) -> bool:
     """The index holds exactly the replicas' cached multisets, per medium, and nobody else; the
-    registry has their heartbeats. Ticks each replica's idle hook first (snapshot requests)."""
+    registry has their heartbeats. Ticks each replica's idle hook first (snapshot requests).
+    ``consumer``: an EventConsumer, or a ConsumerProcess."""
     for rep in replicas:
         rep.idle()
-    for rep in replicas:
-        info = consumer.registry.get(rep.replica_id)
-        if info is None or info.epoch != rep.pub.epoch:
-            return False
-    if any(indexed(consumer, rep.replica_id) != rep.cached() for rep in replicas):
+    view = consumer.view() if isinstance(consumer, ConsumerProcess) else consumer_view(consumer)
+    if any(view["epochs"].get(rep.replica_id) != rep.pub.epoch for rep in replicas):
+        return False
+    if any(view["index"].get(rep.replica_id) != rep.cached() for rep in replicas):
         return False
     expected = {rep.replica_id for rep in replicas}
-    return all(r in expected for r, n in consumer.entries().items() if n)
+    return all(r in expected for r, n in view["entries"].items() if n)
+
+
+class ConsumerProcess:
+    """A running consumer (:func:`running_consumer`) in a child process of its own, so that a
+    test can freeze it (``pause``: SIGSTOP, ``resume``: SIGCONT) like a stalled router; ``view()``
+    is its :func:`consumer_view` (``wait_synced`` takes it). Started when made, ready (bootstrapped)
+    when the constructor returns.
+
+    Raises:
+        AssertionError: the child did not answer within ``timeout`` seconds.
+    """
+
+    def __init__(self, redis_url: str, layout, timeout: float = 15.0):
+        self.timeout = timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support_redis", redis_url, layout.namespace, str(layout.num_shards)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        assert self._line() == "ready", "the consumer process did not bootstrap"
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        assert ready, f"the consumer process said nothing within {self.timeout}s"
+        line = self.proc.stdout.readline()
+        assert line, f"the consumer process exited ({self.proc.poll()})"
+        return line.strip()
+
+    def view(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("view\n")
+        self.proc.stdin.flush()
+        view = json.loads(self._line())
+        view["index"] = {rid: {m: {int(h): n for h, n in held.items()} for m, held in media.items()}
+                         for rid, media in view["index"].items()}
+        return view
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.resume()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # the child stops its consumer and exits
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ConsumerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _consumer_child(redis_url: str, namespace: str, shards: str) -> None:
+    """ConsumerProcess's child: a running consumer; says ``ready``, then answers each ``view``
+    line on stdin with its view as one JSON line; stops at the end of stdin."""
+    import logging
+
+    from kvroute.redis_layout import RedisLayout
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    server = type("Server", (), {"url": redis_url})()
+    with running_consumer(server, RedisLayout(namespace, int(shards))) as consumer:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "view":
+                print(json.dumps(consumer_view(consumer)), flush=True)
 
 
 SYNC_TIMEOUT = 2.0
@@ -269,3 +361,7 @@ def unreachable_replica(redis_url: str, replica_id: str, ids: list[int], *, layo
         yield pub
     finally:
         pub.close()
+
+
+if __name__ == "__main__":
+    _consumer_child(*sys.argv[1:4])
