@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvroute.hashing import NO_KEYS, BlockHasher, BlockHashKeys
 from router.index import BlockIndex
-from router.load import LoadTracker, Ticket
+from router.load import LoadTracker, RouterShare, Ticket
 from router.policies.base import Policy
 from router.registry import ReplicaInfo, ReplicaRegistry
 from router.scoring import Candidate, RequestShape, Scored, pool_rate
@@ -167,3 +167,25 @@ class Router:
         :meth:`prefill_done` would if the first token never came)."""
         self.prefill_done(ticket)
         self.load.finish(ticket)
+
+    # -- several routers (router.load_sync moves these through Redis) ----------------------------
+    def share(self) -> RouterShare:
+        """What the other routers need of this one: its own in-flight load, and its speculative
+        entries beyond the real ones (every router indexes the same KV events)."""
+        load = self.load.local()
+        with self.index_lock:
+            speculative = self.index.own_speculative()
+        return RouterShare(load, speculative)
+
+    def merge(self, router_id: str, share: RouterShare | None) -> None:
+        """Router ``router_id``'s share, as of its last publication, replaces what it shared before
+        (None: it is gone). Its speculative entries count for the replicas routable here only: an
+        entry for one this router has dropped would bring it back into the index (as in
+        :meth:`commit`)."""
+        self.load.set_remote(router_id, share.load if share is not None else None)
+        with self.index_lock:
+            entries = None
+            if share is not None:
+                entries = {rid: hashes for rid, hashes in share.speculative.items()
+                           if (info := self.registry.get(rid)) is not None and info.routable}
+            self.index.set_remote_speculative(router_id, entries)

@@ -14,6 +14,11 @@ requests sharing a new prefix lands on one replica before its BlockStored events
 as GPU matches in lookups and are reported separately. They live apart from the real entries: no
 speculative operation drops a real entry, and BlockRemoved / AllBlocksCleared leave them be (only
 forgetting the replica drops them).
+
+Other routers' speculative entries (``set_remote_speculative``, from the load sync) join the same
+mask and count in lookups as this router's own do: every router indexes the same KV events, so
+what one router's index needs from another is only the entries the events have not brought yet
+(``own_speculative``).
 """
 
 from __future__ import annotations
@@ -199,6 +204,26 @@ class BlockIndex:
     def expire_speculative(self) -> None:
         """Drop the speculative entries whose TTL has run out and that no request holds."""
         self._spec.expire()
+
+    def own_speculative(self) -> dict[str, list[int]]:
+        """``{replica: hashes}``: this router's own live speculative entries (credited here, not
+        another router's) that are not real GPU entries too: what another router's index, fed the
+        same KV events, cannot know yet. The expired are dropped first."""
+        gpu = self._masks[GPU]
+        names = {bit: r for r, bit in self._bits.items()}
+        out = {}
+        for bit, hashes in self._spec.own().items():
+            mine = [h for h in hashes if not gpu.get(h, 0) & bit]
+            if mine:
+                out[names[bit]] = mine
+        return out
+
+    def set_remote_speculative(self, router: str, entries: dict[str, Sequence[int]] | None) -> None:
+        """Router ``router``'s speculative entries (its :meth:`own_speculative`) replace the ones
+        it gave before; None forgets that router. They count in lookups as this router's own, until
+        then or until their replica is forgotten. Each replica named gets a bit: the caller names
+        routable replicas only (:meth:`router.core.Router.merge`), as for its own credits."""
+        self._spec.set_remote(router, {self._bit(r): hashes for r, hashes in (entries or {}).items() if hashes})
 
     # -- lookup -----------------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, Match]:

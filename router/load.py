@@ -3,7 +3,8 @@
 A request adds to its replica's load the moment it is routed, before it is dispatched, so a burst
 of concurrent requests spreads instead of piling onto the replica that looked idle. Its uncached
 prompt tokens count as pending prefill until the first token comes back; the request counts as in
-flight until it completes, fails or is cancelled. Several routers share their counts through Redis
+flight until it completes, fails or is cancelled. Several routers share their counts, with their
+speculative index entries, as one :class:`RouterShare` each through Redis
 (``router.load_sync.RedisLoadSync``), which reads and merges this state; this module does no I/O.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from router.speculative import SpeculativeCredit
 
@@ -26,6 +27,16 @@ class Ticket:
     prefill_done: bool = False
     finished: bool = False
     speculative: SpeculativeCredit | None = None  # its index credit (Router.commit), held until the prefill is done
+
+
+@dataclass
+class RouterShare:
+    """What one router tells the others (``router.core.Router.share`` / ``merge``): per replica,
+    its own ``(in_flight, pending_prefill_tokens)`` and its speculative entries the KV events have
+    not brought yet (``BlockIndex.own_speculative``: hashes)."""
+
+    load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    speculative: dict[str, Sequence[int]] = field(default_factory=dict)
 
 
 class LoadTracker:
@@ -101,4 +112,4 @@ class LoadTracker:
         return self.totals_of((replica_id,))[replica_id]
 
 
-__all__ = ["LoadTracker", "Ticket"]
+__all__ = ["LoadTracker", "RouterShare", "Ticket"]

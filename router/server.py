@@ -178,8 +178,8 @@ class RouterServer:
         # The bound port, not the flag: two routers started with --port 0 must not share an id
         # (their load keys in Redis would overwrite each other).
         self.router_id = s.router_id or f"{socket.gethostname()}-{self.port}"
-        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.load, interval=s.load_sync_interval,
-                                       auth=redis_auth)
+        self.load_sync = RedisLoadSync(s.redis_url, layout, self.router_id, self.router,
+                                       interval=s.load_sync_interval, auth=redis_auth)
         tracer = None
         if self.telemetry is not None:
             self.metrics = RouterMetrics(

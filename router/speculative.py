@@ -6,8 +6,11 @@ one and reads ``mask`` in its lookups.
     bit -> {hash: live holds}                     holds  (requests still waiting for their prefill)
     bit -> {hash: end of the latest TTL}          until  (the clock's seconds)
     (until, bit, hashes), in expiry order         queue  (the clock only goes forward)
+    bit -> {hash: routers crediting it}           remote (other routers' entries, ``set_remote``)
 
-An entry (hash, bit) is in ``mask`` while a request holds it or its TTL has not run out. Holds are
+An entry (hash, bit) is in ``mask`` while a request holds it, its TTL has not run out, or another
+router's latest publication credits it (``router.load_sync``: each router sees the others' entries
+as of their last sync, and a router's publication replaces its previous one). Holds are
 counted per request (:class:`SpeculativeCredit`), so that requests sharing a prefix on one replica
 do not end each other's credit: a withdrawal takes back one hold, and a release starts a TTL that
 only matters once the last hold is gone. Holds are few at a time (requests before their first
@@ -52,6 +55,8 @@ class SpeculativeEntries:
         self._until: dict[int, dict[int, float]] = {}  # bit -> {hash: the latest TTL's end}
         self._queue: deque[tuple[float, int, Sequence[int]]] = deque()
         self._held: set[SpeculativeCredit] = set()  # live credits still held
+        self._remote: dict[int, dict[int, int]] = {}  # bit -> {hash: routers crediting it}
+        self._by_router: dict[str, dict[int, Sequence[int]]] = {}  # router -> {bit: hashes}, as last set
 
     def credit(self, bit: int, hashes: Sequence[int], hold: bool) -> SpeculativeCredit:
         """Credit replica ``bit`` with ``hashes``: one more hold of each, or a TTL from now."""
@@ -128,10 +133,53 @@ class SpeculativeEntries:
                     if h not in holds:
                         self._drop(h, bit)
 
+    def own(self) -> dict[int, list[int]]:
+        """``{bit: hashes}`` of this router's own live entries (held or in their TTL; not the other
+        routers'), after dropping the expired."""
+        self.expire()
+        out: dict[int, list[int]] = {}
+        for bit in self._holds.keys() | self._until.keys():
+            hashes = self._holds.get(bit, {}).keys() | self._until.get(bit, {}).keys()
+            if hashes:
+                out[bit] = list(hashes)
+        return out
+
+    def set_remote(self, router: str, entries: dict[int, Sequence[int]]) -> None:
+        """Router ``router``'s entries, ``{bit: hashes}``, replace what it credited before (empty:
+        it credits nothing now). Its entries no longer credited leave ``mask`` unless this router or
+        another still credits them."""
+        old = self._by_router.pop(router, {})
+        if entries:
+            self._by_router[router] = dict(entries)
+        for bit, hashes in entries.items():
+            counts = self._remote.setdefault(bit, {})
+            mask = self.mask
+            for h in hashes:
+                counts[h] = counts.get(h, 0) + 1
+                mask[h] = mask.get(h, 0) | bit
+        for bit, hashes in old.items():
+            counts = self._remote.get(bit)
+            if counts is None:  # forgotten since
+                continue
+            for h in hashes:
+                n = counts.get(h, 0) - 1
+                if n > 0:
+                    counts[h] = n
+                    continue
+                counts.pop(h, None)
+                if h not in self._holds.get(bit, ()) and h not in self._until.get(bit, ()):
+                    self._drop(h, bit)
+            if not counts:
+                del self._remote[bit]
+
     def forget(self, bit: int) -> None:
-        """Drop every entry of replica ``bit`` and void its held credits (the bit is being freed)."""
+        """Drop every entry of replica ``bit`` (other routers' too) and void its held credits (the
+        bit is being freed)."""
         self._until.pop(bit, None)
         self._holds.pop(bit, None)
+        self._remote.pop(bit, None)
+        for entries in self._by_router.values():
+            entries.pop(bit, None)
         for credit in [c for c in self._held if c.bit == bit]:
             credit.live = False
             self._held.discard(credit)
@@ -149,7 +197,10 @@ class SpeculativeEntries:
         return ends
 
     def _drop(self, h: int, bit: int) -> None:
-        """Clear ``bit`` from ``mask[h]`` (the entry's holds and TTL are gone already)."""
+        """Clear ``bit`` from ``mask[h]`` (the entry's holds and TTL are gone already), unless
+        another router credits the entry."""
+        if h in self._remote.get(bit, ()):
+            return
         mask = self.mask
         v = mask.get(h, 0) & ~bit
         if v:

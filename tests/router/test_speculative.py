@@ -1,6 +1,7 @@
 """Speculative holds per request (router/speculative.py through BlockIndex): requests that share a
 prefix on one replica hold its entries each for itself; a withdrawal or release of one leaves the
-others' holds be, and the TTL counts from the last release."""
+others' holds be, and the TTL counts from the last release. Other routers' entries (the load
+sync's) join the lookups, and each router's publication replaces its previous one."""
 
 from __future__ import annotations
 
@@ -112,6 +113,31 @@ def test_a_credit_of_a_forgotten_replica_is_void_for_the_replica_that_reuses_its
     assert matched(index, [1], "b") == Match()
 
 
+def test_another_routers_entries_count_until_its_next_publication_leaves_them_out():
+    index, clock = new_index()
+    index.set_remote_speculative("router-b", {"a": [1, 2, 3]})
+    assert matched(index, [1, 2, 3, 4]) == Match(gpu=3, speculative=3)
+    assert index.own_speculative() == {}  # not this router's to publish
+    index.set_remote_speculative("router-b", {"a": [1, 2]})  # its request 3 was prefilled since
+    assert matched(index, [1, 2, 3]) == Match(gpu=2, speculative=2)
+    clock.now = 1000.0  # no TTL: they live as long as the router publishes them
+    assert matched(index, [1, 2, 3]) == Match(gpu=2, speculative=2)
+    index.set_remote_speculative("router-b", None)  # its load key expired
+    assert matched(index, [1, 2]) == Match()
+
+
+def test_own_and_remote_entries_of_one_block_end_each_on_their_own():
+    index, clock = new_index()
+    held = index.add_speculative("a", [1, 2], hold=True)
+    index.set_remote_speculative("router-b", {"a": [2, 3]})
+    index.add("a", [1], GPU)
+    assert index.own_speculative() == {"a": [2]}  # block 1 is real now: the events tell the others
+    index.remove_speculative(held)
+    assert matched(index, [1, 2, 3]) == Match(gpu=3, speculative=2)  # 2 and 3: router-b's
+    index.set_remote_speculative("router-b", {})
+    assert matched(index, [1, 2, 3]) == Match(gpu=1)
+
+
 # -- the property: per request, against a plain model of credits -----------------------------------
 REPLICAS = ["a", "b", "c"]
 HASHES = [11, 22, 33, 44]
@@ -130,6 +156,9 @@ def histories(draw):
         st.tuples(st.just("stored"), st.sampled_from(REPLICAS), st.sampled_from(HASHES)),
         st.tuples(st.just("tick"), st.sampled_from([0.0, 1.0, 4.0, TTL, 15.0])),
         st.tuples(st.just("forget"), st.sampled_from(REPLICAS)),
+        st.tuples(st.just("remote"), st.sampled_from(["x", "y"]),
+                  st.dictionaries(st.sampled_from(REPLICAS), st.lists(st.sampled_from(HASHES), max_size=4), max_size=3)),
+        st.tuples(st.just("remote_gone"), st.sampled_from(["x", "y"])),
     )
     return draw(st.lists(op, max_size=40))
 
@@ -139,11 +168,14 @@ def histories(draw):
 def test_speculative_entries_equal_a_model_of_per_request_credits(history):
     """Model: each credit is (replica, hashes, state); an entry (hash, replica) is alive while a
     credit covering it is held, or until the latest TTL end of a released or TTL credit covering
-    it. A withdrawn credit counts for nothing; forgetting a replica kills its credits and real
-    entries. Lookups must see exactly the live entries, real ones as real."""
+    it, or while another router's latest publication names it. A withdrawn credit counts for
+    nothing; forgetting a replica kills its credits, real entries and the other routers' entries
+    of it. Lookups must see exactly the live entries, real ones as real, and ``own_speculative``
+    this router's live entries that are not real."""
     index, clock = new_index()
     credits = []  # [credit, replica, hashes, "held" | end time | "dead"]
     real: set[tuple[str, int]] = set()
+    remote: dict[str, set[tuple[str, int]]] = {}  # router -> (replica, hash) it publishes
     for op in history:
         kind = op[0]
         if kind in ("hold", "ttl"):
@@ -170,10 +202,22 @@ def test_speculative_entries_equal_a_model_of_per_request_credits(history):
             for entry in credits:
                 if entry[1] == op[1]:
                     entry[3] = "dead"
+            remote = {r: {(rep, h) for rep, h in e if rep != op[1]} for r, e in remote.items()}
+        elif kind == "remote":
+            index.set_remote_speculative(op[1], {r: list(hs) for r, hs in op[2].items()})
+            remote[op[1]] = {(r, h) for r, hs in op[2].items() for h in hs}
+        elif kind == "remote_gone":
+            index.set_remote_speculative(op[1], None)
+            remote.pop(op[1], None)
+        own: dict[str, set[int]] = {}
         for replica in REPLICAS:
             for h in HASHES:
                 covering = [e[3] for e in credits if e[1] == replica and h in e[2] and e[3] != "dead"]
-                alive = any(s == "held" or s > clock.now for s in covering)
+                mine = any(s == "held" or s > clock.now for s in covering)
+                alive = mine or any((replica, h) in e for e in remote.values())
                 got = index.lookup([h], [replica])[replica]
                 is_real = (replica, h) in real
                 assert got == Match(gpu=int(alive or is_real), speculative=int(alive and not is_real)), (replica, h)
+                if mine and not is_real:
+                    own.setdefault(replica, set()).add(h)
+        assert {r: set(hs) for r, hs in index.own_speculative().items()} == own
