@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser, *, requests: int | None, replicas:
     p.add_argument("--event-delay-ms", type=float, default=10.0, help="KV events reach the router this long after their step, ms (default 10)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period (default 1 s)")
     p.add_argument("--speculative-ttl", type=float, default=2.0, help="the router's speculative entries, seconds")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers splitting the stream, request i to router i mod N (default 1)")
+    p.add_argument("--load-sync-interval", type=float, default=0.2,
+                   help="with --routers > 1: seconds between each router's exchange of load and speculative "
+                        "entries with the others, the live router's load_sync_interval (default 0.2; 0: before "
+                        "every decision)")
     for f in dataclasses.fields(ScoringWeights):  # the router's own flags for its cost model
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=None,
                        help=f"kvroute's cost model: {f.metadata['help']} (default {f.default})")

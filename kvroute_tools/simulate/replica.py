@@ -44,6 +44,7 @@ class SimRequest:
     replica: str = ""
     request: Request | None = None
     ticket: object = None
+    router: int = 0  # which of the cluster's routers routed it (and releases its ticket)
     first_token_s: float = -1.0
     finish_s: float = -1.0
     cached_tokens: int = 0

@@ -37,7 +37,7 @@ def summarize(run: PolicyRun, oracle: OracleRates) -> dict:
     tpot = sorted((r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in reqs if r.output_tokens > 1)
     mean_routed = sum(run.routed) / len(run.routed)
     return {
-        "replicas": run.replicas, "policy": run.policy, "requests": len(reqs), "hit_rate": hit,
+        "replicas": run.replicas, "routers": run.routers, "policy": run.policy, "requests": len(reqs), "hit_rate": hit,
         "pooled_share": hit / oracle.pooled if oracle.pooled else math.nan,
         "ttft_mean_ms": 1e3 * sum(ttft) / len(ttft) if ttft else math.nan,
         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),

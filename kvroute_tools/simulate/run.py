@@ -50,6 +50,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--replicas and --policies: need at least one each, replicas >= 1")
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests: must be >= 1, got {args.requests}")
+    if args.routers < 1:
+        raise ValueError(f"--routers: must be >= 1, got {args.routers}")
+    if not args.load_sync_interval >= 0:
+        raise ValueError(f"--load-sync-interval: must be >= 0, got {args.load_sync_interval}")
     if args.cache_fraction is not None and not args.cache_fraction > 0:
         raise ValueError(f"--cache-fraction: must be > 0, got {args.cache_fraction}")
     timing = TimingModel.from_file(args.calibration) if args.calibration else TimingModel()
@@ -80,6 +84,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, timing=timing,
             time_scale=scale, output_scale=args.output_scale, event_delay_s=args.event_delay_ms / 1000,
             heartbeat_s=args.heartbeat_s, speculative_ttl=args.speculative_ttl, weights=weights, seed=args.seed,
+            routers=args.routers, load_sync_s=args.load_sync_interval,
         ))
     return Plan(trace, str(args.trace or BUNDLED_TRACE.name), configs, policies, timing)
 
@@ -111,8 +116,10 @@ def simulate_main(args: argparse.Namespace) -> int:
             group.append(summarize(run, oracle))
         rows += group
         print()
+        routers = (f", {cfg.routers} routers syncing every {cfg.load_sync_s:g} s" if cfg.routers > 1 and cfg.load_sync_s
+                   else f", {cfg.routers} routers syncing before every decision" if cfg.routers > 1 else "")
         print(format_table(group, oracle, f"{counted(cfg.replicas, 'replica')} x {counted(cfg.num_blocks - 1, 'block', spec=',')} of"
-                                          f" {cfg.block_size} tokens, time scale {cfg.time_scale:.4g}"))
+                                          f" {cfg.block_size} tokens, time scale {cfg.time_scale:.4g}{routers}"))
     if args.out:
         meta = {"trace": plan.trace_name, "requests": len(plan.trace), "timing": plan.timing.to_dict(),
                 "ttft_floor_s": floor_s,

@@ -36,9 +36,11 @@ ALL_POLICY_NAMES = tuple(POLICIES)
 """Every policy ``kvroute simulate`` can run."""
 
 
-def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | None = None) -> Policy:
+def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | None = None,
+                rng: random.Random | None = None) -> Policy:
     """A fresh policy by name (one of ALL_POLICY_NAMES) with the cost ``weights`` (used by
-    ``kvroute``) and a generator seeded with ``seed`` for ties (None: from the OS).
+    ``kvroute``) and a generator seeded with ``seed`` for ties (None: from the OS), or ``rng``
+    itself (several policies drawing from one generator: the simulator's routers).
 
     Raises:
         ValueError: an unknown name; the message names the valid ones.
@@ -46,7 +48,7 @@ def make_policy(name: str, weights: ScoringWeights | None = None, seed: int | No
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(ALL_POLICY_NAMES)}")
-    return cls.build(weights, random.Random(seed))
+    return cls.build(weights, rng if rng is not None else random.Random(seed))
 
 
 __all__ = ["ALL_POLICY_NAMES", "LIVE_POLICIES", "PEER_POLICIES", "PEER_POLICY_NAMES", "POLICIES", "POLICY_NAMES",

@@ -14,6 +14,8 @@ from kvroute_tools.cli import main
     (["--replicas", "4,x"], "--replicas: expected comma-separated integers"),
     (["--cache-fraction", "0"], "--cache-fraction: must be > 0"),
     (["--load", "0"], "load: must be > 0"),
+    (["--routers", "0"], "--routers: must be >= 1, got 0"),
+    (["--load-sync-interval", "-1"], "--load-sync-interval: must be >= 0, got -1"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -33,6 +35,13 @@ def test_out_holds_the_rows_and_the_charts(tmp_path, capsys):
     for name in ("hit_ttft_vs_replicas.png", "ttft_cdf_2.png", "ttft_cdf_4.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert "oracles (hit rate in prompt tokens)" in capsys.readouterr().out
+
+
+def test_several_routers_are_named_in_the_table_header(capsys):
+    argv = ["simulate", "--requests", "20", "--replicas", "2", "--policies", "kvroute", "--num-blocks", "400",
+            "--routers", "2", "--load-sync-interval", "0.5", "--no-progress"]
+    assert main(argv) == 0
+    assert "2 replicas x 399 blocks of 512 tokens, time scale 1, 2 routers syncing every 0.5 s" in capsys.readouterr().out
 
 
 def test_a_request_larger_than_a_replica_exits_2(capsys):
