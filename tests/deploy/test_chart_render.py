@@ -1,5 +1,5 @@
 """The chart rendered by Helm's engine for a matrix of values (defaults, external Redis with an
-existing Secret, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
+existing Secret, an external Redis Cluster, CPU replicas, monitoring on, 1 and 3 routers with the HPA, kubernetes and static
 discovery, the envoy and inferencePool gateway modes, gRPC TLS and mutual TLS, Istio's picker TLS, the model
 downloaded from a Hub): every manifest validates against the Kubernetes schemas of 1.29 and 1.33
 (kubernetes-validate, strict), each case renders what its values ask for, the chart lints clean
@@ -42,6 +42,12 @@ MATRIX = {
         "redis": {"enabled": False},
         "externalRedis": {"url": "rediss://redis.shared.svc:6380/2", "existingSecret": "redis-creds",
                           "secretKey": "password", "tls": {"caSecret": "redis-ca", "caKey": "ca.pem"}},
+    },
+    "external-redis-cluster": {
+        "redis": {"enabled": False}, "cluster": {"eventShards": 12},
+        "externalRedis": {"url": "redis://redis-0.redis-cluster:6379,redis://redis-1.redis-cluster:6379",
+                          "cluster": True, "existingSecret": "redis-cluster-creds"},
+        "replica": {"engine": "vllm"},
     },
     "cpu-replicas": {"replica": {"gpu": 0, "replicas": 3, "resources": {"requests": {"cpu": "1"}}}},
     "monitoring-on": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
@@ -176,6 +182,21 @@ def test_external_redis_uses_the_existing_secret_and_the_ca_and_runs_no_redis():
         assert env["KVROUTE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-creds", "key": "password"}}
         assert env["KVROUTE_REDIS_CA_FILE"] == "/etc/kvroute/redis-ca/ca.pem"
         assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in pod_spec(w)["volumes"]
+
+
+def test_an_external_redis_cluster_sets_redis_cluster_on_routers_replicas_and_bridges():
+    values = MATRIX["external-redis-cluster"]
+    docs = render(values)
+    assert not [d for d in docs if "redis" in d["metadata"]["name"]]
+    for kind, name, cname in (("Deployment", ROUTER, "router"), ("StatefulSet", REPLICA, "bridge")):
+        env = env_of(container(find(docs, kind, name), cname))
+        assert env["KVROUTE_REDIS_URL"] == values["externalRedis"]["url"]
+        assert env["KVROUTE_REDIS_CLUSTER"] == "true" and env["KVROUTE_EVENT_SHARDS"] == "12"
+        assert env["KVROUTE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-cluster-creds", "key": "redis-password"}}
+    assert "Redis Cluster at redis://redis-0.redis-cluster:6379," in notes(values)
+    for d in render({}) + render(MATRIX["external-redis-existing-secret"]):  # a single Redis: not set
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            assert all("KVROUTE_REDIS_CLUSTER" not in env_of(c) for c in pod_spec(d)["containers"])
 
 
 def test_the_routers_init_container_writes_the_tokenizer_with_the_router_image_not_the_replicas():

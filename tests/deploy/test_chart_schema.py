@@ -35,6 +35,12 @@ def test_redis_disabled_without_external_redis_is_rejected_naming_the_key():
     assert "at '/externalRedis/url'" in _rejection({"redis": {"enabled": False}, "externalRedis": {"url": "r:6379"}})
 
 
+def test_an_external_redis_cluster_with_the_bundled_redis_is_rejected_naming_the_key():
+    assert "at '/redis/enabled'" in _rejection({"externalRedis": {"url": "redis://a:6379", "cluster": True}})
+    assert "at '/externalRedis/cluster'" in _rejection({"redis": {"enabled": False},
+                                                        "externalRedis": {"url": "redis://a:6379", "cluster": "yes"}})
+
+
 def test_a_misspelt_key_is_rejected_naming_it():
     assert "'replicaz'" in _rejection({"router": {"replicaz": 3}})
 

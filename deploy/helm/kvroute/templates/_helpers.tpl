@@ -129,6 +129,10 @@ never from plain values), the cluster's hashing, OpenTelemetry. Pass the compone
 - name: KVROUTE_REDIS_CA_FILE
   value: /etc/kvroute/redis-ca/{{ $.Values.externalRedis.tls.caKey }}
 {{- end }}
+{{- if and (not $.Values.redis.enabled) $.Values.externalRedis.cluster }}
+- name: KVROUTE_REDIS_CLUSTER
+  value: "true"
+{{- end }}
 - name: KVROUTE_NAMESPACE
   value: {{ include "kvroute.namespace" $ | quote }}
 - name: KVROUTE_EVENT_SHARDS
