@@ -140,7 +140,7 @@ def _check_up(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             replicas=args.replicas, routers=args.routers, host=args.host, router_port=args.router_port,
             base_port=args.base_port,
             router_http_port=args.router_http_port, replica_http_base_port=args.replica_http_base_port,
-            redis_url=args.redis_url, namespace=args.namespace, model=args.model,
+            redis_url=args.redis_url, redis_cluster=args.redis_cluster, namespace=args.namespace, model=args.model,
             model_cache_dir=args.model_cache_dir, kv_cache_memory_mb=args.kv_cache_memory_mb,
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
             torch_threads=args.torch_threads, replica_args=tuple(shlex.split(args.replica_args)),
@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--replica-http-base-port", type=int, default=0,
                    help="replica i also serves the OpenAI HTTP API and /metrics on BASE+i (default 0: off)")
     u.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server")
+    u.add_argument("--redis-cluster", action="store_true",
+                   help="--redis-url is a seed of a Redis Cluster (or Valkey cluster); a comma-separated"
+                        " --redis-url of several seeds implies it (docs/settings.md)")
     u.add_argument("--namespace", default="default", help="Redis key namespace of the cluster")
     u.add_argument("--model", default="", help="model folder (default: the generated default model)")
     u.add_argument("--model-cache-dir", default="", help="where the default model lives (~/.cache/kvroute/models)")

@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.process import dial_host
-from kvroute.redis_connect import connect, describe_error, redact
+from kvroute.redis_connect import RedisAuth, connect, describe_error, redact
 from kvroute.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from kvroute_tools.banner import EXAMPLE_PROMPT
 from kvroute_tools.cluster_ports import ClusterError, metrics_flags, plan_ports, router_names
@@ -74,6 +74,7 @@ class ClusterConfig:
     base_port: int = 0  # replica i listens on base_port + i; 0 = free ports
     replica_http_base_port: int = 0  # replica i's OpenAI HTTP API (+ /metrics) on this + i; 0 = off
     redis_url: str = ""  # empty = an embedded redis-server on a free port
+    redis_cluster: bool = False  # redis_url names a Redis Cluster seed (a comma-separated redis_url implies it)
     namespace: str = DEFAULT_NAMESPACE
     model: str = ""
     model_cache_dir: str = ""
@@ -133,6 +134,8 @@ class ClusterConfig:
             raise ValueError(f"--torch-threads: must be >= 0, got {self.torch_threads}")
         if self.ready_timeout <= 0 or self.stop_timeout <= 0:
             raise ValueError("--ready-timeout / --stop-timeout: must be > 0")
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("--redis-cluster: needs --redis-url (the embedded redis-server is a single Redis)")
         RedisLayout(self.namespace)  # its own check, naming the namespace
 
     @property
@@ -289,7 +292,8 @@ class LocalCluster:
         import redis
 
         try:
-            connect(self.redis_url, socket_timeout=3, socket_connect_timeout=3).ping()
+            connect(self.redis_url, RedisAuth(cluster=self.config.redis_cluster), socket_timeout=3,
+                    socket_connect_timeout=3).ping()
         except (redis.RedisError, ValueError) as e:
             problem = describe_error(self.redis_url, e).partition(": ")[2]
             raise ClusterError(f"--redis-url: cannot reach {redact(self.redis_url)} ({problem})") from e
@@ -326,7 +330,7 @@ class LocalCluster:
         wait_healthy(self.engines, deadline, self._died)
         for i, ports in enumerate(plans):
             argv = bridge_argv(cfg.python, f"replica-{i}", cfg.dial_host, ports, self.model_dir, block_size,
-                               self.redis_url, cfg.namespace)
+                               self.redis_url, cfg.namespace) + self._redis_cluster_flag()
             self.replicas.append(Child(f"replica-{i}", argv, self.log_dir / f"replica-{i}.log").start())
             self.log(f"  vllm-{i} ready (http://{cfg.dial_host}:{ports.http}), bridge replica-{i}", flush=True)
 
@@ -337,7 +341,8 @@ class LocalCluster:
     def _replica_argv(self, replica_id: str, port: int, http_port: int = -1) -> list[str]:
         cfg = self.config
         argv = [cfg.python, "-m", "replica", "--host", cfg.host, "--port", str(port), "--replica-id", replica_id,
-                "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--torch-threads", str(cfg.torch_threads),
+                "--redis-url", self.redis_url, *self._redis_cluster_flag(), "--namespace", cfg.namespace,
+                "--torch-threads", str(cfg.torch_threads),
                 # Ctrl-C aborts what is in flight at once (a pod's SIGTERM drains: the chart sets it).
                 "--drain-timeout", "0", *self._model_flags(), *self._block_size_flags()]
         if cfg.kv_cache_memory_mb is not None:
@@ -355,8 +360,12 @@ class LocalCluster:
     def _router_argv(self, port: int, http_port: int) -> list[str]:
         cfg = self.config
         return [cfg.python, "-m", "router", "--host", cfg.host, "--port", str(port), "--http-port", str(http_port),
-                "--redis-url", self.redis_url, "--namespace", cfg.namespace, "--admin-token-file", str(self.admin_token_file),
+                "--redis-url", self.redis_url, *self._redis_cluster_flag(), "--namespace", cfg.namespace,
+                "--admin-token-file", str(self.admin_token_file),
                 *self._model_flags(), *self._block_size_flags(), *cfg.router_args]
+
+    def _redis_cluster_flag(self) -> list[str]:
+        return ["--redis-cluster"] if self.config.redis_cluster else []
 
     def _block_size_flags(self) -> list[str]:
         size = self.config.kv_block_size

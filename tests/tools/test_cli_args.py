@@ -39,6 +39,7 @@ def _error_of(capsys, argv: list[str]) -> str:
         (["up", "--model", "/etc/hostname"], "--model: /etc/hostname is not a folder"),
         (["up", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
         (["up", "--routers", "0"], "--routers: must be >= 1, got 0"),
+        (["up", "--redis-cluster"], "--redis-cluster: needs --redis-url"),
         (["up", "--routers", "2", "--gateway", "envoy"], "--routers: --gateway envoy puts Envoy in front of one router"),
         (["generate", "--target", "nope", "hi"], "--target: expected HOST:PORT"),
         (["generate", "--target", "127.0.0.1:0", "hi"], "--target: expected HOST:PORT"),
@@ -152,6 +153,21 @@ def test_up_passes_one_block_size_to_every_replica_and_the_router():
     assert LocalCluster(ClusterConfig(replicas=1)).config.kv_block_size is None  # each one's default (16)
     cluster.stop()
     vllm.stop()
+
+
+def test_up_passes_redis_cluster_to_every_replica_bridge_and_router():
+    from kvroute_tools.cluster import ClusterConfig, LocalCluster
+
+    cluster = LocalCluster(ClusterConfig(replicas=1, redis_url="redis://10.0.0.1:7000", redis_cluster=True, model="m"))
+    cluster.redis_url = "redis://10.0.0.1:7000"
+    for argv in (cluster._replica_argv("replica-0", 1), cluster._router_argv(2, -1)):
+        assert argv[argv.index("--redis-url") + 1:argv.index("--redis-url") + 3] == ["redis://10.0.0.1:7000",
+                                                                                      "--redis-cluster"]
+    plain = LocalCluster(ClusterConfig(replicas=1, redis_url="redis://10.0.0.1:6379", model="m"))
+    plain.redis_url = "redis://10.0.0.1:6379"
+    assert "--redis-cluster" not in plain._replica_argv("replica-0", 1) + plain._router_argv(2, -1)
+    cluster.stop()
+    plain.stop()
 
 
 def test_cli_modules_import_no_torch_replica_or_router():
