@@ -21,7 +21,7 @@ import threading
 
 import redis
 
-from kvroute.redis_connect import RedisAuth, connect
+from kvroute.redis_connect import LOST_REDIS_ERRORS, RedisAuth, connect
 from kvroute.redis_layout import RedisLayout
 from router.core import Router
 from router.load import RouterShare
@@ -73,7 +73,9 @@ class RedisLoadSync:
         self, redis_url: str, layout: RedisLayout, router_id: str, router: Router,
         interval: float = 0.2, ttl: float = 3.0, auth: RedisAuth | None = None,
     ):
-        self._redis = connect(redis_url, auth, socket_timeout=2, socket_connect_timeout=1)
+        self.redis_url = redis_url
+        self.auth = auth
+        self._redis: redis.Redis | None = None  # made on the thread: a cluster's client connects when made
         self.layout = layout
         self.router_id = router_id
         self.router = router
@@ -88,27 +90,33 @@ class RedisLoadSync:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        with contextlib.suppress(redis.RedisError):
-            self._redis.delete(self.layout.router_load_key(self.router_id))
-        self._redis.close()
+        if self._redis is not None:
+            with contextlib.suppress(redis.RedisError, *LOST_REDIS_ERRORS):
+                self._redis.delete(self.layout.router_load_key(self.router_id))
+            self._redis.close()
 
     def sync_once(self) -> None:
+        if self._redis is None:
+            self._redis = connect(self.redis_url, self.auth, socket_timeout=2, socket_connect_timeout=1)
+        client = self._redis
         own_key = self.layout.router_load_key(self.router_id)
         fields = encode_share(self.router.share())
-        pipe = self._redis.pipeline()
+        # One MULTI/EXEC (one key: one slot on a cluster), so no reader sees the key deleted and not
+        # yet written again, and drops this router's share for an interval.
+        pipe = client.pipeline(transaction=True)
         pipe.delete(own_key)
         if fields:
             pipe.hset(own_key, mapping=fields)
             pipe.pexpire(own_key, self.ttl_ms)
         pipe.execute()
         seen = set()
-        for key in self._redis.scan_iter(match=self.layout.router_load_pattern(), count=100):
+        for key in client.scan_iter(match=self.layout.router_load_pattern(), count=100):  # every primary of a cluster
             k = key.decode()
             if k == own_key:
                 continue
             other = k.rsplit(":", 1)[-1]
             seen.add(other)
-            share, bad = decode_share(self._redis.hgetall(key))
+            share, bad = decode_share(client.hgetall(key))
             if bad:
                 log.debug("router load sync: %d field(s) of %s do not parse", bad, k)
             self.router.merge(other, share)
@@ -120,7 +128,7 @@ class RedisLoadSync:
         while not self._stop.wait(self.interval):
             try:
                 self.sync_once()
-            except (redis.RedisError, ValueError) as e:
+            except (redis.RedisError, ValueError, *LOST_REDIS_ERRORS) as e:  # a failover too: next interval
                 log.debug("router load sync failed: %s", e)
 
 

@@ -1,7 +1,8 @@
 """kvroute on a real Redis Cluster: 3 masters and 3 replicas on loopback
 (kvroute_tools.redis_server.RedisClusterServer), real RedisEventPublishers (tests.support_redis
-FakeReplica) over event shards spread across the masters, and a real router consumer
-(DESIGN.md §4: one hash slot per shard; a failover is a seq gap resynced from the snapshot)."""
+FakeReplica) over event shards spread across the masters, a real router consumer (DESIGN.md §4:
+one hash slot per shard; a failover is a seq gap resynced from the snapshot), and two routers'
+load sync."""
 
 from __future__ import annotations
 
@@ -113,3 +114,23 @@ def test_a_master_killed_during_traffic_fails_over_and_the_router_resyncs_what_i
         for rep in made:  # and it follows on
             rep.steps(3)
         wait_synced(router, made, timeout=5)
+
+
+def test_two_routers_share_their_load_over_the_cluster(cluster):
+    from router.load_sync import RedisLoadSync
+    from tests.router.test_load_sync import new_router
+
+    layout = RedisLayout("loadsync", SHARDS)
+    a, b = new_router(), new_router()
+    syncs = [RedisLoadSync(cluster.url, layout, name, router, interval=0.05) for name, router in (("a", a), ("b", b))]
+    ticket = a.commit(a.decide(list(range(40))))
+    for sync in syncs:
+        sync.start()
+    try:
+        wait_for(lambda: b.load.totals(ticket.replica_id) == (1, 40), timeout=5, what="a's load in b")
+        a.finish(ticket)
+        wait_for(lambda: b.load.totals(ticket.replica_id) == (0, 0), timeout=5, what="a's finish in b")
+    finally:
+        syncs[0].stop()
+        wait_for(lambda: b.load.remote_routers() == [], timeout=5, what="a gone from b (its key deleted)")
+        syncs[1].stop()
