@@ -5,7 +5,7 @@ on this machine (DESIGN.md §7), started in order and stopped in order.
           ─▶ the model resolved once (kvroute_tools.resolve_model in a child python: N replicas
              don't race to write the default model, and `up` stays torch-free)
           ─▶ N x `python -m replica` + M x `python -m router` (``--routers M``: one Redis, so they
-             share their in-flight load; with ``metrics``: each process with
+             share their in-flight load and speculative entries; with ``metrics``: each process with
              a Prometheus endpoint on a free port, ``metrics_urls``, printed in the banner)
           ─▶ ready: every grpc.health.v1 "readiness" SERVING, and every router sees all N replicas
              routable (RouterService.Score)

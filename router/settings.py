@@ -36,7 +36,10 @@ class RouterSettings(ScoringWeights, RedisSettings, ServingSettings):
     seed: int = setting(-1, "seed of the tie-breaking generator (-1 = random)")
     speculative_ttl: float = setting(2.0, "seconds a speculative index entry lives (0 = off)")
     heartbeat_poll_interval: float = setting(0.5, "seconds between heartbeat scans")
-    load_sync_interval: float = setting(0.2, "seconds between in-flight load exchanges with other routers")
+    load_sync_interval: float = setting(
+        0.2, "seconds between exchanges of in-flight load and speculative entries with the other routers"
+             " (a change reaches them within two of these)"
+    )
     max_retries: int = setting(2, "other replicas tried when one fails before the first token")
     replica_tls_ca_file: str = setting("", "CA bundle (PEM) that verifies the replicas: set = TLS to replicas")
     replica_tls_cert_file: str = setting("", "client certificate chain (PEM) shown to replicas that require mTLS")
