@@ -115,7 +115,9 @@ def _connect_cluster(url: str, seeds: list[str], kwargs: dict[str, Any]) -> redi
     from redis.cluster import ClusterNode, RedisCluster
     from redis.exceptions import RedisClusterException
 
-    scheme = urlsplit(seeds[0]).scheme if seeds else ""
+    if not seeds:
+        raise ValueError("redis_url: a Redis Cluster needs the URL of a seed node")
+    scheme = urlsplit(seeds[0]).scheme
     nodes = []
     for seed in seeds:
         parts = urlsplit(seed)

@@ -86,7 +86,9 @@ def test_a_cluster_none_of_whose_seeds_answers_is_a_connection_error(url, cluste
         connect(url, RedisAuth(cluster=cluster), socket_connect_timeout=0.5)
 
 
-def test_a_cluster_seed_of_another_scheme_names_redis_url_without_the_password():
+def test_a_cluster_url_without_a_usable_seed_is_refused_naming_redis_url_without_the_password():
     with pytest.raises(ValueError, match=r"redis_url rediss://:\*\*\*@a:1,redis://b:2: every seed") as err:
         connect("rediss://:hunter2@a:1,redis://b:2")
     assert "hunter2" not in str(err.value)
+    with pytest.raises(ValueError, match="redis_url: a Redis Cluster needs the URL of a seed node"):
+        connect("", RedisAuth(cluster=True))
