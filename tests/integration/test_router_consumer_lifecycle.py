@@ -96,7 +96,10 @@ def test_a_late_entry_of_an_expired_replica_is_not_indexed_nor_gap_counted(serve
 def test_two_replicas_heartbeating_under_one_id_are_flagged(server, layout, fake_replicas):
     with running_consumer(server, layout) as consumer:
         fake_replicas("replica-0", port=50051)
-        fake_replicas("replica-0", port=50052)  # a second cluster's replica-0 on the same namespace
+        # A second cluster's replica-0 on the same namespace. Another heartbeat interval, so that
+        # the two writes drift past each other: with one interval and nearly one phase, every poll
+        # could read the same one of them.
+        fake_replicas("replica-0", port=50052, heartbeat_interval=0.33)
         wait_for(lambda: consumer.registry.address_changes >= 2, what="the address of replica-0 flipping")
 
 
