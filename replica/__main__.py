@@ -2,6 +2,7 @@
 
 import sys
 
+from kvroute.process import exit_process
 from replica.server import main
 
-sys.exit(main(sys.argv[1:]))
+exit_process(main(sys.argv[1:]))
