@@ -395,3 +395,20 @@ def test_notes_give_the_tls_flags_for_envoys_tls_listener_and_https_for_the_http
     assert (f"curl --cacert ca.crt --connect-to {ROUTER}:8000:127.0.0.1:8000 https://{ROUTER}:8000/v1/models"
             in text) and "curl http://" not in text
     assert "curl http://127.0.0.1:8000/v1/models" in notes({"tls": {"enabled": True, "existingSecret": "kvr-tls"}})
+
+
+@pytest.mark.parametrize(("extra", "warning"), [
+    ({"tls": {"enabled": True, "existingSecret": "kvroute-tls"}}, "upstream TLS policy for the replica pods"),
+    ({"networkPolicy": {"enabled": True}}, "your gateway's pods cannot reach them"),
+])
+def test_the_notes_warn_of_a_pool_the_gateway_cannot_reach(extra, warning):
+    """TLS replicas behind an h2c pool, and replicas fenced off from the gateway by the release's
+    own NetworkPolicy: both render, and both fail every call, so the NOTES say so; the same values
+    without the pool (or with the gateway's pods let in) carry no such warning."""
+    assert warning in notes({**POOL_MODE, **extra})
+    assert warning not in notes(POOL_MODE)
+    assert warning not in notes({**extra, "router": {"discovery": "redis"}})
+    if "networkPolicy" in extra:
+        let_in = {"networkPolicy": {"enabled": True, "replicaIngressFrom": [
+            {"podSelector": {"matchLabels": {"app": "gateway"}}}]}}
+        assert warning not in notes({**POOL_MODE, **let_in})
