@@ -180,7 +180,7 @@ def bench_decisions(algorithm: str, n: int, rng: random.Random, num_replicas: in
     index, entries = build_index(rng, docs_hashes, num_replicas)
     traced = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    table = 0
+    table = index.table_bytes()
     registry = ReplicaRegistry(hasher.identity, "redis")
     for i in range(num_replicas):
         registry.update_from_heartbeat(heartbeat(replica_name(i), i, hasher), now=0.0)

@@ -3,7 +3,8 @@ the real entries of the same blocks in the same run.
 
     python bench/speculative.py [--requests 2000] [--blocks 512] [--held 32]
 
-- **memory per speculative entry**: tracemalloc's traced bytes after ``--requests`` credits of
+- **memory per speculative entry**: tracemalloc's traced bytes (plus what the index's compiled
+  tables hold, ``BlockIndex.table_bytes``: C allocations) after ``--requests`` credits of
   ``--blocks`` fresh hashes each over 64 replicas, each held (``Router.commit``) until ``--held``
   later ones were made and then released (its first token), the TTL long enough that none expires;
   the hashes' lists are the caller's (the Decision's), not counted. Baseline: the same blocks as real entries (``BlockIndex.add``).
@@ -48,7 +49,7 @@ def memory_per_entry(chains: list[list[int]], held: int, speculative: bool) -> f
         window.append(index.add_speculative(replica, chain, hold=True))
         if len(window) > held:
             index.release_speculative(window.popleft())
-    used = tracemalloc.get_traced_memory()[0] - base
+    used = tracemalloc.get_traced_memory()[0] - base + index.table_bytes()  # C tables: not traced
     tracemalloc.stop()
     return used / sum(map(len, chains))
 

@@ -39,14 +39,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvroute.events import GPU, MAX_BATCH_BYTES, MEDIA, EventDecodeError, batch_problem, parse_message
 from kvroute.ordering import Decision, ReplicaStream
 from kvroute.redis_layout import F_BATCH, F_EPOCH, F_REPLICA_ID, F_SEQ
 from kvroute.snapshot import CacheSnapshot
 from kvroute.v1 import events_pb2
-from router.index import BlockIndex
+from router.index import BlockIndex, decode_events
 from router.registry import ReplicaInfo, ReplicaRegistry
 
 log = logging.getLogger("router.consumer")  # one logger for the consumer, whichever half logs
@@ -60,6 +60,23 @@ _ENTRY_REASONS = frozenset(REJECT_REASONS) - {"medium", "snapshot", "heartbeat"}
 _MAX_LOGGED = 10000  # (replica, reason) pairs remembered as logged: garbage ids must not grow memory
 
 Batch = events_pb2.KVEventBatch
+IndexBatch = tuple[float, list[tuple[str | None, str, Sequence[int]]]]
+"""A batch as the index applies it: ``(ts, [(kind, medium, hashes)])``, kind the event's oneof field
+name (None: none set), medium as sent ('' when unset); from router.index.decode_events or
+:func:`events_of`."""
+
+
+def events_of(batch: Batch) -> IndexBatch:
+    """A parsed batch as the index applies it (what router.index.decode_events gives directly)."""
+    events: list[tuple[str | None, str, Sequence[int]]] = []
+    for ev in batch.events:
+        which = ev.WhichOneof("event")
+        if which == "block_stored" or which == "block_removed":
+            e = getattr(ev, which)
+            events.append((which, e.medium, e.block_hashes))
+        else:
+            events.append((which, ev.all_blocks_cleared.medium if which else "", ()))
+    return batch.ts, events
 
 
 def replica_of(fields: Mapping[bytes, bytes]) -> str:
@@ -76,7 +93,7 @@ class _Replica:
     __slots__ = ("stream", "gap_seen", "next_check", "request_epoch", "last_request")
 
     def __init__(self, epoch: int):
-        self.stream: ReplicaStream[Batch] = ReplicaStream(epoch)
+        self.stream: ReplicaStream[IndexBatch] = ReplicaStream(epoch)
         self.gap_seen = 0  # the stream's gaps_opened when its latest gap was counted
         self.next_check = 0.0
         self.request_epoch: int | None = None  # the epoch of the last snapshot request
@@ -212,15 +229,18 @@ class IndexFeed:
         if len(data) > MAX_BATCH_BYTES:
             self.lost(rid, epoch, seq, "too_large", f"seq {seq}: {len(data)} bytes > {MAX_BATCH_BYTES}")
             return
-        try:
-            batch = parse_message(Batch, data)
-        except EventDecodeError as e:
-            self.lost(rid, epoch, seq, "undecodable", f"seq {seq}: {e}")
-            return
-        problem = batch_problem(batch, self._block_size)
-        if problem is not None:
-            self.lost(rid, epoch, seq, problem[0], f"seq {seq}: {problem[1]}")
-            return
+        batch = decode_events(data, self._block_size)  # the compiled reader of the form replicas write
+        if batch is None:  # upb decides what the rest is
+            try:
+                message = parse_message(Batch, data)
+            except EventDecodeError as e:
+                self.lost(rid, epoch, seq, "undecodable", f"seq {seq}: {e}")
+                return
+            problem = batch_problem(message, self._block_size)
+            if problem is not None:
+                self.lost(rid, epoch, seq, problem[0], f"seq {seq}: {problem[1]}")
+                return
+            batch = events_of(message)
         self._act(rid, stream.offer(epoch, seq, batch))
 
     def lost(self, rid: str, epoch: int, seq: int, reason: str, detail: str) -> None:
@@ -231,7 +251,7 @@ class IndexFeed:
         if rep is not None and not rep.stream.is_stale(epoch, seq):
             self._act(rid, rep.stream.lost(epoch, seq))
 
-    def _act(self, rid: str, decision: Decision[Batch]) -> None:
+    def _act(self, rid: str, decision: Decision[IndexBatch]) -> None:
         if decision.new_epoch:
             self._drop_epoch(rid)
         for batch in decision.apply:
@@ -243,42 +263,33 @@ class IndexFeed:
             self.index.clear_replica(rid)
         self.epoch_changes += 1
 
-    def _apply(self, rid: str, batch: Batch) -> None:
+    def _apply(self, rid: str, batch: IndexBatch) -> None:
         """Apply one decoded batch to the index."""
         index = self.index
         blocks = 0
         unknown: list[str] = []
+        ts, events = batch
         # One index call per event with its whole hash list: the per-hash loop lives in the index.
         with self.index_lock:
-            for ev in batch.events:
-                which = ev.WhichOneof("event")
-                if which == "block_stored":
-                    s = ev.block_stored
-                    if (medium := s.medium or GPU) in MEDIA:
-                        index.add(rid, s.block_hashes, medium)
-                        blocks += len(s.block_hashes)
-                    else:
-                        unknown.append(medium)
-                elif which == "block_removed":
-                    r = ev.block_removed
-                    if (medium := r.medium or GPU) in MEDIA:
-                        index.remove(rid, r.block_hashes, medium)
-                        blocks += len(r.block_hashes)
+            for which, medium, hashes in events:
+                if which == "block_stored" or which == "block_removed":
+                    if (medium := medium or GPU) in MEDIA:
+                        (index.add if which == "block_stored" else index.remove)(rid, hashes, medium)
+                        blocks += len(hashes)
                     else:
                         unknown.append(medium)
                 elif which == "all_blocks_cleared":
-                    medium = ev.all_blocks_cleared.medium or None
-                    if medium is None or medium in MEDIA:
-                        index.clear_replica(rid, medium)
+                    if not medium or medium in MEDIA:
+                        index.clear_replica(rid, medium or None)
                     else:
                         unknown.append(medium)
         for medium in unknown:
             self.reject(rid, "medium", f"an event of the unknown medium {medium[:64]!r} skipped")
-        self.events_applied += len(batch.events)
+        self.events_applied += len(events)
         self.blocks_applied += blocks
         self.batches_applied += 1
-        if math.isfinite(batch.ts):  # a hostile ts (NaN, inf) leaves the gauge as it was
-            self.stream_lag_seconds = max(0.0, time.time() - batch.ts)
+        if math.isfinite(ts):  # a hostile ts (NaN, inf) leaves the gauge as it was
+            self.stream_lag_seconds = max(0.0, time.time() - ts)
 
     # -- heartbeats and snapshots ------------------------------------------------------------------------
     def bootstrap(self, info: ReplicaInfo, snap: CacheSnapshot | None) -> None:
