@@ -24,8 +24,8 @@ VLLM_TORCH ?= torch==2.13.0+cpu
 
 venv: $(STAMP)
 
-# setup.py builds the three optional C extensions (docs/internals.md, "Compiled parts").
-$(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_index.c
+# setup.py builds the optional C extensions (docs/internals.md, "Compiled parts").
+$(STAMP): pyproject.toml setup.py kvroute/_hashchain.c replica/attention/_cpu_paged.c router/_index.c router/_scoring.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
@@ -89,4 +89,4 @@ bench: venv
 	$(PY) bench/kv_manager.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .prometheus build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so
+	rm -rf $(VENV) $(VLLM_VENV) .prometheus build *.egg-info kvroute/_hashchain*.so replica/attention/_cpu_paged*.so router/_index*.so router/_scoring*.so

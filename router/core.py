@@ -17,7 +17,7 @@ from router.index import BlockIndex
 from router.load import LoadTracker, RouterShare, Ticket
 from router.policies.base import Policy
 from router.registry import ReplicaInfo, ReplicaRegistry
-from router.scoring import Candidate, RequestShape, Scored, pool_rate
+from router.scoring import CandidateTable, RequestShape, Scored
 from router.speculative import SpeculativeCredit
 
 
@@ -26,7 +26,7 @@ class Decision:
     """A routing decision as data. ``picked`` is None when no replica is routable (``reason``)."""
 
     picked: ReplicaInfo | None
-    scored: list[Scored]
+    scored: Sequence[Scored]  # every candidate's (router.scoring.ScoredTable: made when read)
     block_hashes: list[int]
     prompt_tokens: int
     block_size: int
@@ -81,28 +81,19 @@ class Router:
         keys = BlockHashKeys(cache_salt=cache_salt) if cache_salt else NO_KEYS
         hashes = self.hasher.event_ints(token_ids, keys)
         t1 = time.perf_counter()
-        replicas = {r.replica_id: r for r in self.registry.routable() if r.replica_id not in exclude}
+        infos = self.registry.routable()
+        if exclude:
+            infos = [r for r in infos if r.replica_id not in exclude]
         with self.index_lock:
-            matches = self.index.lookup(hashes, replicas)
+            matches = self.index.matches(hashes)  # a replica absent matched nothing
         t2 = time.perf_counter()
-        totals = self.load.totals_of(replicas)
-        # Candidate(replica_id, match, queued_prefill_tokens, running, in_flight, kv_usage, measured
-        # prefill rate, measured decode step time, waiting), positional (the decision path). Queued
-        # prefill: the heartbeat counts what has reached the replica, the routers what they sent and
-        # has not been prefilled; they overlap, so take the larger.
-        # The measured rates: the pool's medians for every replica (router.scoring.pool_rate).
-        rate = pool_rate(info.prefill_tokens_per_s for info in replicas.values())
-        step_s = pool_rate(info.decode_seconds_per_running for info in replicas.values())
-        cands = [
-            Candidate(rid, matches[rid], max(info.queued_prefill_tokens, totals[rid][1]), info.running,
-                      totals[rid][0], info.usage, rate, step_s, info.waiting)
-            for rid, info in replicas.items()
-        ]
+        in_flight, pending = self.load.all_totals()
+        cands = CandidateTable(infos, matches, in_flight, pending)
         req = RequestShape(len(token_ids), self.hasher.block_size)
         pick, scored = self.policy.choose(cands, req)
         t3 = time.perf_counter()
         decision = Decision(
-            picked=replicas[pick.replica_id] if pick else None,
+            picked=cands.info(pick.replica_id) if pick else None,
             scored=scored,
             block_hashes=hashes,
             prompt_tokens=len(token_ids),

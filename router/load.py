@@ -42,7 +42,9 @@ class RouterShare:
 class LoadTracker:
     """Per replica: requests in flight and prompt tokens not yet prefilled, local + other routers'.
 
-    Thread-safe (the gRPC loop updates it, the sync thread reads and merges it).
+    Thread-safe (the gRPC loop updates it, the sync thread reads and merges it). Besides this
+    router's counts and each other router's, it keeps their sums per replica up to date (a
+    decision reads every replica's: a copy of two dicts, not a merge).
     """
 
     def __init__(self) -> None:
@@ -50,11 +52,23 @@ class LoadTracker:
         self._in_flight: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()
         self._remote: dict[str, dict[str, tuple[int, int]]] = {}
+        self._total_in_flight: dict[str, int] = {}  # local + remote, replicas at 0 left out
+        self._total_pending: dict[str, int] = {}
+
+    @staticmethod
+    def _add(totals: dict[str, int], replica_id: str, delta: int) -> None:
+        v = totals.get(replica_id, 0) + delta
+        if v:
+            totals[replica_id] = v
+        else:
+            totals.pop(replica_id, None)
 
     def begin(self, replica_id: str, prefill_tokens: int) -> Ticket:
         with self._lock:
             self._in_flight[replica_id] += 1
             self._pending[replica_id] += prefill_tokens
+            self._add(self._total_in_flight, replica_id, 1)
+            self._add(self._total_pending, replica_id, prefill_tokens)
         return Ticket(replica_id, prefill_tokens)
 
     def prefill_done(self, ticket: Ticket) -> None:
@@ -62,9 +76,12 @@ class LoadTracker:
         with self._lock:
             if not ticket.prefill_done:
                 ticket.prefill_done = True
-                self._pending[ticket.replica_id] -= ticket.prefill_tokens
-                if self._pending[ticket.replica_id] <= 0:
-                    del self._pending[ticket.replica_id]
+                r = ticket.replica_id
+                before = self._pending[r]
+                self._pending[r] -= ticket.prefill_tokens
+                if self._pending[r] <= 0:
+                    del self._pending[r]
+                self._add(self._total_pending, r, self._pending.get(r, 0) - before)
 
     def finish(self, ticket: Ticket) -> None:
         """Completed, failed or cancelled (idempotent)."""
@@ -72,9 +89,12 @@ class LoadTracker:
         with self._lock:
             if not ticket.finished:
                 ticket.finished = True
-                self._in_flight[ticket.replica_id] -= 1
-                if self._in_flight[ticket.replica_id] <= 0:
-                    del self._in_flight[ticket.replica_id]
+                r = ticket.replica_id
+                before = self._in_flight[r]
+                self._in_flight[r] -= 1
+                if self._in_flight[r] <= 0:
+                    del self._in_flight[r]
+                self._add(self._total_in_flight, r, self._in_flight.get(r, 0) - before)
 
     def local(self) -> dict[str, tuple[int, int]]:
         """This router's ``{replica: (in_flight, pending_prefill_tokens)}``."""
@@ -84,28 +104,29 @@ class LoadTracker:
 
     def set_remote(self, router_id: str, counts: dict[str, tuple[int, int]] | None) -> None:
         with self._lock:
-            if counts is None:
-                self._remote.pop(router_id, None)
-            else:
+            old = self._remote.pop(router_id, None) if counts is None else self._remote.get(router_id)
+            if counts is not None:
                 self._remote[router_id] = counts
+            for sign, part in ((-1, old), (1, counts)):
+                for r, (f, p) in (part or {}).items():
+                    self._add(self._total_in_flight, r, sign * f)
+                    self._add(self._total_pending, r, sign * p)
 
     def remote_routers(self) -> list[str]:
         with self._lock:
             return list(self._remote)
 
     def totals_of(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
-        """``totals`` for several replicas under one lock (the decision path)."""
+        """``totals`` for several replicas under one lock."""
         with self._lock:
-            remote = list(self._remote.values())
-            out = {}
-            for r in replica_ids:
-                f, p = self._in_flight.get(r, 0), self._pending.get(r, 0)
-                for counts in remote:
-                    rf, rp = counts.get(r, (0, 0))
-                    f += rf
-                    p += rp
-                out[r] = (f, p)
-            return out
+            f, p = self._total_in_flight, self._total_pending
+            return {r: (f.get(r, 0), p.get(r, 0)) for r in replica_ids}
+
+    def all_totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(in_flight, pending_prefill_tokens) per replica over every router, a copy of each; a
+        replica at 0 is absent (the decision path)."""
+        with self._lock:
+            return dict(self._total_in_flight), dict(self._total_pending)
 
     def totals(self, replica_id: str) -> tuple[int, int]:
         """(in_flight, pending_prefill_tokens) for ``replica_id`` over every router."""

@@ -37,17 +37,29 @@ Why each term beyond TTFT (DESIGN.md §5; the defaults come from the sweeps in d
 Each term is a small scorer ``(candidate, request, weights) -> seconds`` in ``DEFAULT_SCORERS``;
 a deployment can reweight or replace them. The policies that use this module live in
 ``router.policies`` (which imports it; it imports no policy).
+
+A decision hands the policy a :class:`CandidateTable`: the candidates as the registry's records,
+the index's matches and the routers' load, with a :class:`Candidate` made only for the items a
+policy asks for. :func:`default_costs` over a table is one compiled pass (``router/_scoring.c``,
+optional: without it, the same sum in a Python loop over Candidate objects).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
 from router.index import Match
 from router.weights import ScoringWeights
+
+try:
+    from router import _scoring
+except ImportError:  # built without a C compiler: default_costs' Python loop, pool_rate
+    _scoring = None
 
 DEFAULT_PREFILL_TOKENS_PER_S = 20000.0
 """Prefill rate, tokens/s, of a replica that has published no measurement (nor a setting given)."""
@@ -166,6 +178,130 @@ class Scored:
     candidate: Candidate
     cost: float
     terms: dict[str, float] | None = None
+
+
+class _MadeWhenRead(Sequence):
+    """A sequence whose item ``i`` is made by ``_make(i)`` when first read, then kept."""
+
+    def __init__(self, n: int):
+        self._made: list[Any] = [None] * n
+
+    def _make(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        item = self._made[i]
+        if item is None:
+            item = self._made[i] = self._make(i)
+        return item
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self._made)))
+
+
+class CandidateTable(_MadeWhenRead, Sequence[Candidate]):
+    """One decision's candidates, kept as what they are made of (all snapshots of the moment):
+
+    - ``infos``: the registry's records (``router.registry.ReplicaInfo``), in the decision's order;
+    - ``matches``: ``{replica_id: Match}`` from the index (a replica absent matched nothing);
+    - ``in_flight``, ``pending``: the routers' requests in flight and prompt tokens not yet
+      prefilled per replica (absent: 0).
+
+    Item ``i`` is the :class:`Candidate` of ``infos[i]``, made when first asked for: its queued
+    prefill is the larger of the heartbeat's and the routers' pending (they overlap), and every
+    candidate is charged the pool's medians of the measured rates (:func:`pool_rate`).
+    :func:`default_costs` reads the columns without making any.
+    """
+
+    def __init__(self, infos: list[Any], matches: Mapping[str, Match], in_flight: Mapping[str, int],
+                 pending: Mapping[str, int]):
+        self.infos = infos
+        self.matches = matches
+        self.in_flight = in_flight
+        self.pending = pending
+        if _scoring is not None:
+            self.prefill_tokens_per_s, self.decode_seconds_per_running = _scoring.pool_rates(infos)
+        else:
+            self.prefill_tokens_per_s = pool_rate(info.prefill_tokens_per_s for info in infos)
+            self.decode_seconds_per_running = pool_rate(info.decode_seconds_per_running for info in infos)
+        super().__init__(len(infos))
+
+    def _make(self, i: int) -> Candidate:
+        info = self.infos[i]
+        rid = info.replica_id
+        return Candidate(rid, self.matches.get(rid) or Match(), max(info.queued_prefill_tokens, self.pending.get(rid, 0)),
+                         info.running, self.in_flight.get(rid, 0), info.usage, self.prefill_tokens_per_s,
+                         self.decode_seconds_per_running, info.waiting)
+
+    def info(self, replica_id: str) -> Any:
+        """The record of candidate ``replica_id`` (ValueError: not a candidate)."""
+        return self.infos[list(map(_REPLICA_ID, self.infos)).index(replica_id)]
+
+
+_REPLICA_ID = attrgetter("replica_id")
+
+
+class ScoredTable(_MadeWhenRead, Sequence[Scored]):
+    """``Scored(cands[i], costs[i])`` for each candidate, made when first read (a decision reports
+    every candidate's cost; most callers look at none of them)."""
+
+    def __init__(self, cands: Sequence[Candidate], costs: list[float]):
+        self.cands = cands
+        self.costs = costs
+        super().__init__(len(costs))
+
+    def _make(self, i: int) -> Scored:
+        return Scored(self.cands[i], self.costs[i])
+
+
+def default_costs(cands: Sequence[Candidate], req: RequestShape, w: ScoringWeights) -> list[float]:
+    """Every candidate's cost under ``DEFAULT_SCORERS``, equal to the sum of their terms bit for bit:
+    the sum written out in their order (same float operations, no call per term). Over a
+    :class:`CandidateTable`, one compiled pass over its columns when ``router._scoring`` is built
+    (the same operations in C; no Candidate is made)."""
+    prompt, block = req.prompt_tokens, req.block_size
+    cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
+    footprint_w, kv_w, flight_w = w.kv_footprint_weight, w.kv_usage_weight, w.in_flight_weight
+    if _scoring is not None and isinstance(cands, CandidateTable):
+        if w.prefill_tokens_per_s is not None:
+            rate = w.prefill_tokens_per_s
+        else:
+            rate = cands.prefill_tokens_per_s if cands.prefill_tokens_per_s > 0 else DEFAULT_PREFILL_TOKENS_PER_S
+        if w.decode_seconds_per_running is not None:
+            decode_s = w.decode_seconds_per_running
+        else:
+            measured = cands.decode_seconds_per_running
+            decode_s = measured if measured > 0 else DEFAULT_DECODE_SECONDS_PER_RUNNING
+        return _scoring.costs(cands.infos, cands.matches, cands.in_flight, cands.pending, prompt, block, rate,
+                              decode_s, (work_w, backlog_w, cpu_w, footprint_w, kv_w, flight_w))
+    out = []
+    for c in cands:
+        u = max(prompt - block * (c.match.gpu + cpu_w * c.match.cpu), 1.0)  # uncached_tokens
+        rate, decode_s = prefill_rate(c, w), decode_step_seconds(c, w)
+        out.append(
+            0 + (c.queued_prefill_tokens + u) / rate + c.running * decode_s
+            + (work_w + backlog_w * c.waiting) * u / rate
+            + footprint_w * c.kv_usage * prompt / rate
+            + c.kv_usage * kv_w + c.in_flight * flight_w
+        )
+    return out
+
+
+def pick_lowest_cost(cands: Sequence[Candidate], costs: list[float], rng: random.Random) -> Candidate | None:
+    """:func:`pick_lowest` over ``costs[i]`` of ``cands[i]`` without a Scored per candidate: the
+    same pick and the same draws from ``rng``."""
+    if not costs:
+        return None
+    best = min(costs)
+    if best == best and costs.count(best) == 1:  # (count's identity shortcut: same as == but for NaN)
+        return cands[costs.index(best)]
+    ties = [cands[i] for i, cost in enumerate(costs) if cost == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 def pick_lowest(scored: Sequence[Scored], rng: random.Random) -> Candidate | None:

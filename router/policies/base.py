@@ -41,7 +41,7 @@ class Policy:
         (the default uses the generator only)."""
         return cls(rng=rng)
 
-    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, list[Scored]]:
+    def choose(self, cands: Sequence[Candidate], req: RequestShape) -> tuple[Candidate | None, Sequence[Scored]]:
         raise NotImplementedError
 
     def observe_prompt(self, block_hashes: Sequence[int]) -> None:
