@@ -93,7 +93,7 @@ class Router:
         pick, scored = self.policy.choose(cands, req)
         t3 = time.perf_counter()
         decision = Decision(
-            picked=cands.info(pick.replica_id) if pick else None,
+            picked=cands.info_of(pick) if pick else None,
             scored=scored,
             block_hashes=hashes,
             prompt_tokens=len(token_ids),

@@ -229,18 +229,25 @@ class CandidateTable(_MadeWhenRead, Sequence[Candidate]):
         else:
             self.prefill_tokens_per_s = pool_rate(info.prefill_tokens_per_s for info in infos)
             self.decode_seconds_per_running = pool_rate(info.decode_seconds_per_running for info in infos)
+        self._record_of: dict[int, Any] = {}
         super().__init__(len(infos))
 
     def _make(self, i: int) -> Candidate:
         info = self.infos[i]
         rid = info.replica_id
-        return Candidate(rid, self.matches.get(rid) or Match(), max(info.queued_prefill_tokens, self.pending.get(rid, 0)),
-                         info.running, self.in_flight.get(rid, 0), info.usage, self.prefill_tokens_per_s,
-                         self.decode_seconds_per_running, info.waiting)
+        c = Candidate(rid, self.matches.get(rid) or Match(), max(info.queued_prefill_tokens, self.pending.get(rid, 0)),
+                      info.running, self.in_flight.get(rid, 0), info.usage, self.prefill_tokens_per_s,
+                      self.decode_seconds_per_running, info.waiting)
+        self._record_of[id(c)] = info  # (the table keeps c, so its id stays its own)
+        return c
 
-    def info(self, replica_id: str) -> Any:
-        """The record of candidate ``replica_id`` (ValueError: not a candidate)."""
-        return self.infos[list(map(_REPLICA_ID, self.infos)).index(replica_id)]
+    def info_of(self, c: Candidate) -> Any:
+        """The record ``c`` was made from (a candidate of this table; else the record of its
+        replica id; ValueError: none)."""
+        info = self._record_of.get(id(c))
+        if info is None:
+            info = self.infos[list(map(_REPLICA_ID, self.infos)).index(c.replica_id)]
+        return info
 
 
 _REPLICA_ID = attrgetter("replica_id")

@@ -21,7 +21,7 @@ from router.index import BlockIndex, Match
 from router.load import LoadTracker
 from router.policies.kvroute import KVRoutePolicy
 from router.registry import ReplicaRegistry
-from router.scoring import CandidateTable, RequestShape, ScoringWeights
+from router.scoring import Candidate, CandidateTable, RequestShape, ScoringWeights
 from tests.router.test_decisions import heartbeat
 
 B = 4
@@ -98,7 +98,8 @@ def test_a_candidate_is_made_from_its_record_its_match_and_the_routers_load(name
     assert (c.replica_id, c.match, c.in_flight, c.queued_prefill_tokens) == ("r2", Match(gpu=3, cpu=1), 4, 10**6)
     assert table[2] is c and table[-3] is c and [x.replica_id for x in table[1:3]] == ["r1", "r2"]
     assert table[3].queued_prefill_tokens == max(infos[3].queued_prefill_tokens, 1)  # the larger of the two
-    assert table[0].match == Match() and table.info("r4") is infos[4]
+    assert table[0].match == Match() and table.info_of(table[4]) is infos[4]
+    assert table.info_of(Candidate("r1")) is infos[1]
     measured = sorted(v for v in (i.decode_seconds_per_running for i in infos) if v > 0)
     assert c.decode_seconds_per_running == (measured[len(measured) // 2] if len(measured) % 2
                                             else (measured[len(measured) // 2 - 1] + measured[len(measured) // 2]) / 2
@@ -106,3 +107,18 @@ def test_a_candidate_is_made_from_its_record_its_match_and_the_routers_load(name
     policy = KVRoutePolicy(ScoringWeights())
     req = RequestShape(40, B)
     assert policy.costs(table, req) == [policy.score(x, req).cost for x in table]
+
+
+@pytest.mark.skipif("c" not in PATHS, reason="router._scoring not built")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.floats(allow_nan=True), st.sampled_from([0.0, 1.5, 2.5]), st.integers(-3, 3)),
+                          st.one_of(st.floats(-1, 1), st.sampled_from([0.0, 0.25]))), max_size=40))
+def test_the_compiled_pool_rates_are_the_medians_of_the_positive_ones(rates):
+    from types import SimpleNamespace
+
+    from router.scoring import pool_rate
+
+    infos = [SimpleNamespace(prefill_tokens_per_s=p, decode_seconds_per_running=d) for p, d in rates]
+    got = router.scoring._scoring.pool_rates(infos)
+    assert got == (pool_rate(p for p, _ in rates), pool_rate(d for _, d in rates))
+
