@@ -483,9 +483,10 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
     router = servers["router"]
     cluster = LocalCluster(ClusterConfig(replicas=1))
     try:
-        cluster.router = type("Router", (), {"target": router.target, "pid": 1})()  # type: ignore[assignment]
+        cluster.routers = [type("Router", (), {"target": router.target, "pid": 1, "name": "router"})()]  # type: ignore[list-item]
         cluster.replicas, cluster.model_dir = [], str(default_model_dir)
         cluster.router_http_url = http_base(router)
+        cluster.router_http_urls = [cluster.router_http_url]
         banner = up_banner(cluster)
         assert f"  openai      {http_base(router)} " in banner
         (curl,) = [line.strip() for line in banner.splitlines() if line.strip().startswith("curl ")]
@@ -493,7 +494,7 @@ def test_kvroute_up_banner_prints_the_http_endpoint_and_a_curl_example_that_work
         assert json.loads(done.stdout)["usage"]["completion_tokens"] == 16
         assert substitute(["replay", "--base-url", "{http_url}"], cluster) == ["replay", "--base-url", http_base(router)]
     finally:
-        cluster.router = None
+        cluster.routers = []
         cluster.stop()
 
 
