@@ -43,6 +43,9 @@
 #define INLINE_MAX 3
 #define MIN_CAP 64
 
+/* For each set bit of word (bit b: r = base + b). */
+#define FOR_BITS(word, base, r) for (uint64_t _d = (word); _d && ((r) = (uint32_t)((base) + __builtin_ctzll(_d)), 1); _d &= _d - 1)
+
 /* What an allocation of n bytes takes from glibc's malloc. */
 static size_t chunk(size_t n) {
     size_t c = (n + 8 + 15) & ~(size_t)15;
@@ -103,15 +106,36 @@ static inline int as_block_hash(PyObject *v, uint64_t *out) {
 
 /* -- replica sets --------------------------------------------------------------------------------
  * A set word: 0 = no replica (an empty slot); low bit 1 = inline, bits 1-2 the count (1-3), ids
- * at bits 4, 24, 44; low bit 0 = a wide_t pointer (malloc aligns to 16). */
+ * at bits 4, 24, 44; low bit 0 = a wide_t pointer (malloc aligns to 16): a sorted id array, or,
+ * once the ids are dense enough that a bitset over them is no larger (a prefix cached on many
+ * replicas), a bitset, which a walk intersects a word at a time instead of an id at a time. */
+#define BITSET 0x80000000u /* in wide_t.cap: the data is a bitset of (cap & ~BITSET) words */
+
 typedef struct {
     uint32_t n, cap;
-    uint32_t rid[]; /* ascending */
+    uint32_t rid[]; /* ascending; or, with BITSET, the bitset's words (8-aligned: the header is 8) */
 } wide_t;
 
 static inline int is_inline(uint64_t s) { return (int)(s & 1); }
 static inline unsigned inline_n(uint64_t s) { return (unsigned)((s >> 1) & 3); }
 static inline uint32_t inline_rid(uint64_t s, unsigned k) { return (uint32_t)(s >> (4 + RID_BITS * k)) & RID_MAX; }
+static inline int is_bits(const wide_t *w) { return (w->cap & BITSET) != 0; }
+static inline uint32_t nwords(const wide_t *w) { return w->cap & ~BITSET; }
+static inline uint64_t *words_of(wide_t *w) { return (uint64_t *)(void *)w->rid; }
+static inline size_t wide_size(const wide_t *w) {
+    return sizeof(wide_t) + (is_bits(w) ? (size_t)nwords(w) * 8 : (size_t)w->cap * 4);
+}
+
+/* The bitset of set word s, NULL when s is inline or an array (*nw: its words). */
+static inline const uint64_t *set_bits(uint64_t s, uint32_t *nw) {
+    if (is_inline(s))
+        return NULL;
+    wide_t *w = (wide_t *)(uintptr_t)s;
+    if (!is_bits(w))
+        return NULL;
+    *nw = nwords(w);
+    return words_of(w);
+}
 
 static uint64_t make_inline(const uint32_t *rids, unsigned n) {
     uint64_t s = 1 | ((uint64_t)n << 1);
@@ -120,7 +144,8 @@ static uint64_t make_inline(const uint32_t *rids, unsigned n) {
     return s;
 }
 
-/* The members of set word s: into buf (inline) or a pointer to the wide array; returns the count. */
+/* The members of set word s (inline or an array, not a bitset): into buf (inline) or a pointer
+ * to the array; returns the count. */
 static inline uint32_t members(uint64_t s, uint32_t *buf, const uint32_t **out) {
     if (is_inline(s)) {
         unsigned n = inline_n(s);
@@ -156,6 +181,8 @@ static int set_has(uint64_t s, uint32_t rid) {
         return 0;
     }
     wide_t *w = (wide_t *)(uintptr_t)s;
+    if (is_bits(w))
+        return rid / 64 < nwords(w) && (words_of(w)[rid / 64] >> (rid % 64) & 1);
     int found;
     search(w->rid, w->n, rid, &found);
     return found;
@@ -188,6 +215,55 @@ typedef struct {
     size_t wide_bytes;
 } Table;
 
+static wide_t *wide_alloc(Table *t, uint32_t n, uint32_t cap) {
+    wide_t *w = malloc(sizeof(wide_t) + ((cap & BITSET) ? (size_t)(cap & ~BITSET) * 8 : (size_t)cap * 4));
+    if (w == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    w->n = n;
+    w->cap = cap;
+    t->wide_bytes += chunk(wide_size(w));
+    return w;
+}
+
+static void wide_free(Table *t, wide_t *w) {
+    t->wide_bytes -= chunk(wide_size(w));
+    free(w);
+}
+
+/* The ids of rids[0..n) (ascending, the largest max) as a bitset, when one is no larger than
+ * the array would be; else NULL (no exception). -1 in *err with MemoryError. */
+static wide_t *to_bits(Table *t, const uint32_t *rids, uint32_t n, uint32_t max, int *err) {
+    uint32_t nw = max / 64 + 1;
+    *err = 0;
+    if ((size_t)n < 2 * (size_t)nw || n <= INLINE_MAX)
+        return NULL;
+    wide_t *b = wide_alloc(t, n, BITSET | nw);
+    if (b == NULL) {
+        *err = -1;
+        return NULL;
+    }
+    uint64_t *bits = words_of(b);
+    memset(bits, 0, (size_t)nw * 8);
+    for (uint32_t k = 0; k < n; k++)
+        bits[rids[k] / 64] |= (uint64_t)1 << (rids[k] % 64);
+    return b;
+}
+
+/* A bitset's ids as a sorted array of capacity cap (>= its count); NULL with MemoryError. */
+static wide_t *to_array(Table *t, wide_t *b, uint32_t cap) {
+    wide_t *a = wide_alloc(t, b->n, cap);
+    if (a == NULL)
+        return NULL;
+    uint32_t m = 0;
+    const uint64_t *bits = words_of(b);
+    for (uint32_t w = 0; w < nwords(b); w++)
+        for (uint64_t d = bits[w]; d; d &= d - 1)
+            a->rid[m++] = w * 64 + (uint32_t)__builtin_ctzll(d);
+    return a;
+}
+
 /* Adds rid to set word *s (not in it yet); -1 with MemoryError. */
 static int set_add(Table *t, uint64_t *s, uint32_t rid) {
     if (is_inline(*s)) {
@@ -200,11 +276,9 @@ static int set_add(Table *t, uint64_t *s, uint32_t rid) {
             *s = make_inline(buf, n + 1);
             return 0;
         }
-        wide_t *w = malloc(sizeof(wide_t) + 8 * sizeof(uint32_t));
-        if (w == NULL) {
-            PyErr_NoMemory();
+        wide_t *w = wide_alloc(t, n + 1, 8);
+        if (w == NULL)
             return -1;
-        }
         buf[n++] = rid;
         for (unsigned a = 1; a < n; a++) /* insertion sort of four */
             for (unsigned b = a; b > 0 && buf[b - 1] > buf[b]; b--) {
@@ -213,34 +287,66 @@ static int set_add(Table *t, uint64_t *s, uint32_t rid) {
                 buf[b - 1] = x;
             }
         memcpy(w->rid, buf, n * sizeof(uint32_t));
-        w->n = n;
-        w->cap = 8;
-        t->wide_bytes += chunk(sizeof(wide_t) + 8 * sizeof(uint32_t));
         *s = (uint64_t)(uintptr_t)w;
         return 0;
     }
     wide_t *w = (wide_t *)(uintptr_t)*s;
-    int found;
+    if (is_bits(w)) {
+        if (rid / 64 >= nwords(w)) { /* past its words: grow it, or back to an array if that is smaller */
+            uint32_t nw = rid / 64 + 1;
+            wide_t *g;
+            if ((size_t)(w->n + 1) < 2 * (size_t)nw) {
+                uint32_t cap = 8;
+                while (cap < w->n + 1)
+                    cap *= 2;
+                if ((g = to_array(t, w, cap)) == NULL)
+                    return -1;
+                g->rid[g->n++] = rid; /* the largest id */
+            } else {
+                if ((g = wide_alloc(t, w->n + 1, BITSET | nw)) == NULL)
+                    return -1;
+                memset(words_of(g), 0, (size_t)nw * 8);
+                memcpy(words_of(g), words_of(w), (size_t)nwords(w) * 8);
+                words_of(g)[rid / 64] |= (uint64_t)1 << (rid % 64);
+            }
+            wide_free(t, w);
+            *s = (uint64_t)(uintptr_t)g;
+            return 0;
+        }
+        words_of(w)[rid / 64] |= (uint64_t)1 << (rid % 64);
+        w->n++;
+        return 0;
+    }
+    int found, err;
     uint32_t at = search(w->rid, w->n, rid, &found);
     if (w->n == w->cap) {
         uint32_t cap = w->cap * 2;
+        size_t before = chunk(wide_size(w));
         wide_t *g = realloc(w, sizeof(wide_t) + cap * sizeof(uint32_t));
         if (g == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        t->wide_bytes += chunk(sizeof(wide_t) + cap * sizeof(uint32_t)) - chunk(sizeof(wide_t) + g->cap * sizeof(uint32_t));
         g->cap = cap;
+        t->wide_bytes += chunk(wide_size(g)) - before;
         w = g;
         *s = (uint64_t)(uintptr_t)w;
     }
     memmove(w->rid + at + 1, w->rid + at, (w->n - at) * sizeof(uint32_t));
     w->rid[at] = rid;
     w->n++;
+    wide_t *b = to_bits(t, w->rid, w->n, w->rid[w->n - 1], &err);
+    if (err < 0)
+        return -1;
+    if (b != NULL) {
+        wide_free(t, w);
+        *s = (uint64_t)(uintptr_t)b;
+    }
     return 0;
 }
 
-/* Removes rid from set word *s (which holds it); *s becomes 0 with its last member. */
+/* Removes rid from set word *s (which holds it); *s becomes 0 with its last member. Out of
+ * memory to turn a sparse bitset back into an array, it stays a bitset. */
 static void set_del(Table *t, uint64_t *s, uint32_t rid) {
     if (is_inline(*s)) {
         uint32_t buf[INLINE_MAX];
@@ -252,23 +358,37 @@ static void set_del(Table *t, uint64_t *s, uint32_t rid) {
         return;
     }
     wide_t *w = (wide_t *)(uintptr_t)*s;
-    int found;
-    uint32_t at = search(w->rid, w->n, rid, &found);
-    memmove(w->rid + at, w->rid + at + 1, (w->n - at - 1) * sizeof(uint32_t));
-    w->n--;
+    if (is_bits(w)) {
+        words_of(w)[rid / 64] &= ~((uint64_t)1 << (rid % 64));
+        w->n--;
+        if (w->n >= nwords(w) && w->n > INLINE_MAX)
+            return;
+        uint32_t cap = 8; /* sparse now (half the array's size or less): back to an array */
+        while (cap < w->n)
+            cap *= 2;
+        wide_t *a = to_array(t, w, cap);
+        if (a == NULL) {
+            PyErr_Clear();
+            return;
+        }
+        wide_free(t, w);
+        w = a;
+        *s = (uint64_t)(uintptr_t)w;
+    } else {
+        int found;
+        uint32_t at = search(w->rid, w->n, rid, &found);
+        memmove(w->rid + at, w->rid + at + 1, (w->n - at - 1) * sizeof(uint32_t));
+        w->n--;
+    }
     if (w->n <= INLINE_MAX) { /* back inline */
         *s = make_inline(w->rid, w->n);
-        t->wide_bytes -= chunk(sizeof(wide_t) + w->cap * sizeof(uint32_t));
-        free(w);
+        wide_free(t, w);
     }
 }
 
 static void set_free(Table *t, uint64_t s) {
-    if (s && !is_inline(s)) {
-        wide_t *w = (wide_t *)(uintptr_t)s;
-        t->wide_bytes -= chunk(sizeof(wide_t) + w->cap * sizeof(uint32_t));
-        free(w);
-    }
+    if (s && !is_inline(s))
+        wide_free(t, (wide_t *)(uintptr_t)s);
 }
 
 /* -- the slots: block hash -> replica set --------------------------------------------------------- */
@@ -924,17 +1044,33 @@ static PyObject *Table_holders(Table *t, PyObject *arg) {
     if (as_u64(arg, &h) < 0)
         return NULL;
     size_t i = slot_find(t, h);
-    uint32_t buf[INLINE_MAX];
+    PyObject *out = PyList_New(0);
+    if (out == NULL || i == NONE)
+        return out;
+    uint32_t buf[INLINE_MAX], bw, n;
     const uint32_t *m;
-    uint32_t n = i == NONE ? 0 : members(t->slots[i].set, buf, &m);
-    PyObject *out = PyList_New(n);
-    for (uint32_t k = 0; out && k < n; k++) {
-        PyObject *v = PyLong_FromUnsignedLong(m[k]);
-        if (v == NULL) {
-            Py_CLEAR(out);
-            break;
+    const uint64_t *bits = set_bits(t->slots[i].set, &bw);
+    for (uint32_t w = 0; bits && w < bw; w++) {
+        uint32_t r;
+        FOR_BITS(bits[w], w * 64, r) {
+            PyObject *v = PyLong_FromUnsignedLong(r);
+            if (v == NULL || PyList_Append(out, v) < 0) {
+                Py_XDECREF(v);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(v);
         }
-        PyList_SET_ITEM(out, k, v);
+    }
+    n = bits ? 0 : members(t->slots[i].set, buf, &m);
+    for (uint32_t k = 0; k < n; k++) {
+        PyObject *v = PyLong_FromUnsignedLong(m[k]);
+        if (v == NULL || PyList_Append(out, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
     }
     return out;
 }
@@ -1071,12 +1207,19 @@ static char *walk_alloc(walk_t *k, Py_ssize_t n, Py_ssize_t nbits) {
     return mem;
 }
 
-#define FOR_BITS(word, base, r) for (uint64_t _d = (word); _d && ((r) = (uint32_t)((base) + __builtin_ctzll(_d)), 1); _d &= _d - 1)
 
 /* Sets the bits of N (and of Nr, for those in Rr) of the members of set word s that are in R. */
 static inline void intersect(uint64_t s, const uint64_t *R, const uint64_t *Rr, uint64_t *N, uint64_t *Nr,
-                             Py_ssize_t nbits) {
-    uint32_t buf[INLINE_MAX];
+                             Py_ssize_t nbits, Py_ssize_t nw) {
+    uint32_t buf[INLINE_MAX], bw;
+    const uint64_t *bits = set_bits(s, &bw);
+    if (bits != NULL) { /* a word at a time (R has no id past nbits) */
+        for (Py_ssize_t w = 0; w < nw && w < (Py_ssize_t)bw; w++) {
+            N[w] |= R[w] & bits[w];
+            Nr[w] |= Rr[w] & bits[w];
+        }
+        return;
+    }
     const uint32_t *m;
     uint32_t cnt = members(s, buf, &m);
     for (uint32_t j = 0; j < cnt; j++) {
@@ -1105,7 +1248,7 @@ static int walk_gpu(walk_t *k, Table *gpu, PyObject *hashes, PyObject *spec) {
             for (Py_ssize_t w = 0; w < nw; w++)
                 N[w] = Nr[w] = 0;
             if (sets[i])
-                intersect(sets[i], R, Rr, N, Nr, k->nbits);
+                intersect(sets[i], R, Rr, N, Nr, k->nbits, nw);
             if (spec != NULL) {
                 PyObject *v = PyDict_GetItemWithError(spec, PyList_GET_ITEM(hashes, i)); /* borrowed */
                 if (v == NULL && PyErr_Occurred())
@@ -1186,8 +1329,18 @@ static void walk_cpu(walk_t *k, Table *cpu) {
             probed = i + CHUNK < n ? i + CHUNK : n;
             probe_chunk(cpu, k->chain, k->valid, i, probed, k->sets);
         }
-        uint32_t cnt = k->sets[i] ? members(k->sets[i], buf, &m) : 0;
+        uint32_t bw, cnt = 0;
+        const uint64_t *bits = k->sets[i] ? set_bits(k->sets[i], &bw) : NULL;
         memset(N, 0, nw * sizeof(uint64_t));
+        if (bits != NULL) { /* starters and runners are disjoint */
+            for (Py_ssize_t w = 0; w < nw && w < (Py_ssize_t)bw; w++) {
+                N[w] = (S[w] | C[w]) & bits[w];
+                FOR_BITS(S[w] & bits[w], w * 64, r)
+                    k->cstart[r] = (int32_t)i;
+            }
+        } else if (k->sets[i]) {
+            cnt = members(k->sets[i], buf, &m);
+        }
         for (uint32_t j = 0; j < cnt; j++) {
             r = m[j];
             if (r >= k->nbits)

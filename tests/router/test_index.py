@@ -297,3 +297,37 @@ def test_held_speculative_entries_outlive_the_ttl_until_released():
     index.release_speculative(ordinary)
     index.release_speculative(None)
     assert index.lookup([1, 2, 3]).get("a", Match()) == Match()
+
+
+@pytest.mark.parametrize("storage_name", STORAGES)
+def test_one_block_on_hundreds_of_replicas_added_and_removed_in_any_order(storage_name):
+    """A shared prefix's replica set through every form router/_index.c keeps (inline ids, a
+    sorted array, a bitset, grown past its words, sparse again): its holders and the walk's answer
+    after each step equal a plain set's."""
+    import random
+
+    rng = random.Random(5)
+    index = new_index(storage_name)
+    names = [f"r{i}" for i in range(300)]
+    for name in names:
+        index.add(name, [7])  # ids 0..299 in this order
+        index.remove(name, [7])
+    chain = [1, 2]
+    index.add("r299", [1])  # a run of one block for the last id
+    holders: set[str] = set()
+    order = rng.sample(names, len(names))
+    for step, name in enumerate(order + rng.sample(names, len(names))):
+        if step < len(names):
+            index.add(name, chain)
+            holders.add(name)
+        else:
+            assert index.remove(name, chain) == 0
+            holders.discard(name)
+        if step % 7 == 0 or len(holders) < 6:
+            table = index._media[GPU]
+            assert {index._names[r] for r in table.holders(2)} == holders
+            got = index.matches(chain)
+            assert {r for r, m in got.items() if m.gpu == 2} == holders
+            assert got.get("r299", Match()).gpu == (2 if "r299" in holders else 1)
+    assert index.lookup(chain)["r0"] == Match() and index.num_entries("r299") == 1
+
