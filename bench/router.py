@@ -11,7 +11,7 @@ The decision, memory and ingest rows come once per replica count (``--replicas``
   is built directly with ``BlockIndex.add``: as many shared documents of 8,192 tokens as replicas;
   each replica holds a random-length prefix (0-512 blocks) of 16 of them (so a document's prefixes
   are on 16 replicas on average, at every size), plus random blocks up to 1M / replicas entries
-  (1M entries at 64 replicas, about 1.05M at 256 and 4.2M at 1,024, where the prefixes alone pass
+  (1M entries at 64 replicas, about 1.1M at 256 and 4.2M at 1,024, where the prefixes alone pass
   1M). Each request is a random document's first 8,176 tokens plus 16 fresh ones (512 blocks, the
   last one new), so lookups walk long shared chains; every block of every prompt is hashed (the
   router keeps no memo of earlier prompts: the compiled hash chain, ``BlockHasher.implementation``,
