@@ -31,7 +31,8 @@ def test_time_per_output_token_is_the_decode_time_over_the_tokens_after_the_firs
     (tpot,) = points("gen_ai.server.time_per_output_token")
     assert tpot.count == 1 and tpot.sum == pytest.approx(0.2)
     assert tuple(tpot.explicit_bounds) == TPOT_BUCKETS
-    assert dict(tpot.attributes) == {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": "m"}
+    assert dict(tpot.attributes) == {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": "m",
+                                     "kvroute.component": "router"}
 
 
 def test_no_time_per_output_token_for_one_token_or_a_failed_call(recorded):
