@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.speculative import SpeculativeCredit
@@ -116,12 +116,6 @@ class LoadTracker:
         with self._lock:
             return list(self._remote)
 
-    def totals_of(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
-        """``totals`` for several replicas under one lock."""
-        with self._lock:
-            f, p = self._total_in_flight, self._total_pending
-            return {r: (f.get(r, 0), p.get(r, 0)) for r in replica_ids}
-
     def all_totals(self) -> tuple[dict[str, int], dict[str, int]]:
         """(in_flight, pending_prefill_tokens) per replica over every router, a copy of each; a
         replica at 0 is absent (the decision path)."""
@@ -130,7 +124,8 @@ class LoadTracker:
 
     def totals(self, replica_id: str) -> tuple[int, int]:
         """(in_flight, pending_prefill_tokens) for ``replica_id`` over every router."""
-        return self.totals_of((replica_id,))[replica_id]
+        with self._lock:
+            return self._total_in_flight.get(replica_id, 0), self._total_pending.get(replica_id, 0)
 
 
 __all__ = ["LoadTracker", "RouterShare", "Ticket"]

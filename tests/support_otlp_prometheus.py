@@ -44,7 +44,7 @@ def metric_name(name: str, unit: str, kind: str) -> str:
     tokens = [t for t in re.split(r"[^a-zA-Z0-9]+", name) if t]
     unit = re.sub(r"\{[^}]*\}", "", unit).strip()
     main, _, per = unit.partition("/")
-    main_suffix = UNIT_SUFFIXES.get(main, main if re.fullmatch(r"[a-zA-Z0-9]+", main or "-") and main != "1" else "")
+    main_suffix = UNIT_SUFFIXES.get(main) or (main if main.isalnum() and main != "1" else "")
     if main_suffix and main_suffix not in tokens:
         tokens.append(main_suffix)
     if per:
@@ -82,8 +82,7 @@ def _labels(labels: dict[str, str]) -> str:
 def translate(resource_metrics: list) -> str:
     """The Prometheus text exposition of ``resource_metrics`` (``ResourceMetrics`` protos, oldest
     first: cumulative points, so each series' latest wins)."""
-    series: dict[tuple[str, tuple], tuple[str, str]] = {}  # (name, labels) -> (type, value)
-    types: dict[str, str] = {}
+    families: dict[str, tuple[str, dict[tuple[str, tuple], str]]] = {}  # name -> (type, {(sample, labels): value})
     for rm in resource_metrics:
         res = {a.key: _any(a.value) for a in rm.resource.attributes}
         base = {"job": "/".join(x for x in (res.get("service.namespace"), res.get("service.name")) if x)}
@@ -104,7 +103,7 @@ def translate(resource_metrics: list) -> str:
                 else:
                     continue
                 name = metric_name(m.name, m.unit, kind)
-                types[name] = kind
+                series = families.setdefault(name, (kind, {}))[1]
                 for p in points:
                     labels = {**base, **{label_name(a.key): _any(a.value) for a in p.attributes}}
                     if kind == "histogram":
@@ -112,17 +111,16 @@ def translate(resource_metrics: list) -> str:
                         for bound, count in zip([*p.explicit_bounds, math.inf], p.bucket_counts, strict=True):
                             running += count
                             key = {**labels, "le": _value(bound)}
-                            series[(f"{name}_bucket", tuple(sorted(key.items())))] = (name, _value(running))
-                        series[(f"{name}_sum", tuple(sorted(labels.items())))] = (name, _value(p.sum))
-                        series[(f"{name}_count", tuple(sorted(labels.items())))] = (name, _value(p.count))
+                            series[(f"{name}_bucket", tuple(sorted(key.items())))] = _value(running)
+                        series[(f"{name}_sum", tuple(sorted(labels.items())))] = _value(p.sum)
+                        series[(f"{name}_count", tuple(sorted(labels.items())))] = _value(p.count)
                     else:
                         v = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
-                        series[(name, tuple(sorted(labels.items())))] = (name, _value(v))
+                        series[(name, tuple(sorted(labels.items())))] = _value(v)
     lines = []
-    for family, kind in sorted(types.items()):
+    for family, (kind, series) in sorted(families.items()):
         lines.append(f"# TYPE {family} {kind}")
-        lines += [f"{sample}{_labels(dict(labels))} {value}"
-                  for (sample, labels), (owner, value) in sorted(series.items()) if owner == family]
+        lines += [f"{sample}{_labels(dict(labels))} {value}" for (sample, labels), value in sorted(series.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -61,7 +61,6 @@ class _Traffic:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.calls = 0
         self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -72,7 +71,6 @@ class _Traffic:
             while not self._stop.is_set():
                 for ids in PROMPTS:
                     _call(self.target, ids)
-                    self.calls += 1
                 try:
                     _call(self.target, [10**6])
                     self.failure = "a token id past the vocabulary was served"
