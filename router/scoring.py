@@ -107,15 +107,15 @@ def pool_rate(measured: Iterable[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def prefill_rate(c: Candidate, w: ScoringWeights) -> float:
+def prefill_rate(c: Candidate | CandidateTable, w: ScoringWeights) -> float:
     """Tokens/s the cost charges prefill at on ``c``: the setting, else the replica's measured
-    rate, else :data:`DEFAULT_PREFILL_TOKENS_PER_S`."""
+    rate (a table's: the pool's), else :data:`DEFAULT_PREFILL_TOKENS_PER_S`."""
     if w.prefill_tokens_per_s is not None:
         return w.prefill_tokens_per_s
     return c.prefill_tokens_per_s if c.prefill_tokens_per_s > 0 else DEFAULT_PREFILL_TOKENS_PER_S
 
 
-def decode_step_seconds(c: Candidate, w: ScoringWeights) -> float:
+def decode_step_seconds(c: Candidate | CandidateTable, w: ScoringWeights) -> float:
     """Seconds per running sequence on ``c``: the setting, else the measured, else
     :data:`DEFAULT_DECODE_SECONDS_PER_RUNNING`."""
     if w.decode_seconds_per_running is not None:
@@ -275,15 +275,8 @@ def default_costs(cands: Sequence[Candidate], req: RequestShape, w: ScoringWeigh
     cpu_w, work_w, backlog_w = w.cpu_match_weight, w.prefill_work_weight, w.backlog_work_weight
     footprint_w, kv_w, flight_w = w.kv_footprint_weight, w.kv_usage_weight, w.in_flight_weight
     if _scoring is not None and isinstance(cands, CandidateTable):
-        if w.prefill_tokens_per_s is not None:
-            rate = w.prefill_tokens_per_s
-        else:
-            rate = cands.prefill_tokens_per_s if cands.prefill_tokens_per_s > 0 else DEFAULT_PREFILL_TOKENS_PER_S
-        if w.decode_seconds_per_running is not None:
-            decode_s = w.decode_seconds_per_running
-        else:
-            measured = cands.decode_seconds_per_running
-            decode_s = measured if measured > 0 else DEFAULT_DECODE_SECONDS_PER_RUNNING
+        # The table carries the pool's measured rates under the Candidate's names.
+        rate, decode_s = prefill_rate(cands, w), decode_step_seconds(cands, w)
         return _scoring.costs(cands.infos, cands.matches, cands.in_flight, cands.pending, prompt, block, rate,
                               decode_s, (work_w, backlog_w, cpu_w, footprint_w, kv_w, flight_w))
     out = []
