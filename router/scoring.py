@@ -307,8 +307,4 @@ def pick_lowest_cost(cands: Sequence[Candidate], costs: list[float], rng: random
 def pick_lowest(scored: Sequence[Scored], rng: random.Random) -> Candidate | None:
     """The candidate of lowest cost; exact ties at random, never by list position (None when there
     is no candidate). A single best draws nothing from ``rng``."""
-    if not scored:
-        return None
-    best = min(s.cost for s in scored)
-    ties = [s.candidate for s in scored if s.cost == best]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
+    return pick_lowest_cost([s.candidate for s in scored], [s.cost for s in scored], rng)
